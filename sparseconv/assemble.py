@@ -1,0 +1,128 @@
+"""Stage 4, assemble and load: specialised PTX -> cubin (ptxas) -> cupy.RawModule.
+
+A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is JIT-compiled
+by the driver only if its .version is one the driver knows. So we prefer ptxas,
+and fall back to loading PTX only when no ptxas is found, after checking the
+PTX version against the driver (with advice when it is too new).
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from .compile import ToolNotFoundError, find_tool, run_tool
+from .ptx import parse_module, ptx_version
+from .shapes import Target
+
+PTXAS_FLAGS = ("-O3",)
+
+
+class DriverTooOldError(RuntimeError):
+    pass
+
+
+def split_module(ptx: str) -> List[str]:
+    """One PTX module per function, for separate compilation. ptxas time grows
+    quadratically with the number of .func a module's entry calls (measured: 1
+    k-block function 0.75 s, 4 of them 6 s, 16 of them 123 s), but linearly when
+    each is compiled alone (`ptxas -c`) and the objects are linked (nvlink).
+    Functions become .visible; the entry's module declares them .extern."""
+    module = parse_module(ptx)
+    header = "\n".join(module.header)
+    pieces, decls = [], []
+    for f in module.functions:
+        head = list(f.head)
+        if not f.is_entry:
+            head[0] = re.sub(r"^\s*\.func\b", ".visible .func", head[0])
+            decl = "\n".join(head).replace(".visible .func", ".extern .func", 1)
+            decls.append(decl + ";")
+        text = "\n".join([header, *head, "{", *f.body, "}", ""])
+        pieces.append((f.is_entry, text))
+    return [t for e, t in pieces if not e] + [
+        t.replace(header, header + "\n" + "\n".join(decls), 1) for e, t in pieces if e]
+
+
+def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None) -> bytes:
+    """ptxas (+ nvlink): PTX text -> cubin bytes. Raises CompileError carrying the log."""
+    ptxas = find_tool("ptxas")
+    try:
+        nvlink: Optional[Path] = find_tool("nvlink")
+    except ToolNotFoundError:
+        nvlink = None
+    with tempfile.TemporaryDirectory(prefix="sparseconv-") as tmp:
+        cubin = Path(tmp) / "layer.cubin"
+        separate = nvlink is not None and os.environ.get("SPARSECONV_SEPARATE_COMPILE", "1") != "0"
+        pieces = split_module(ptx) if separate else [ptx]
+        if len(pieces) <= 2:  # one function and its entry: nothing to gain
+            src = Path(tmp) / "layer.ptx"
+            src.write_text(ptx)
+            run_tool([str(ptxas), f"-arch={target.arch}", *PTXAS_FLAGS, str(src), "-o", str(cubin)], ptx, what)
+            return cubin.read_bytes()
+
+        def compile_piece(i: int) -> str:
+            src, obj = Path(tmp) / f"part{i}.ptx", Path(tmp) / f"part{i}.o"
+            src.write_text(pieces[i])
+            run_tool([str(ptxas), "-c", f"-arch={target.arch}", *PTXAS_FLAGS, str(src), "-o", str(obj)],
+                     pieces[i], f"{what}, function {i}")
+            return str(obj)
+
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            objects = list(pool.map(compile_piece, range(len(pieces))))
+        run_tool([str(nvlink), f"-arch={target.arch}", *objects, "-o", str(cubin)], "", f"{what} (nvlink)")
+        return cubin.read_bytes()
+
+
+def have_ptxas() -> bool:
+    try:
+        find_tool("ptxas")
+        return True
+    except ToolNotFoundError:
+        return False
+
+
+def max_ptx_version(driver_version: int) -> Tuple[int, int]:
+    """Newest PTX ISA a driver can JIT, from cudaDriverGetVersion (e.g. 13000).
+    CUDA 11.x -> 7.x, 12.x -> 8.x, 13.x -> 9.x (PTX major = CUDA major - 4)."""
+    major, minor = driver_version // 1000, (driver_version % 1000) // 10
+    return (major - 4, minor)
+
+
+def check_ptx_loadable(ptx: str, driver_version: int) -> None:
+    have = ptx_version(ptx)
+    limit = max_ptx_version(driver_version)
+    if have > limit:
+        raise DriverTooOldError(
+            f"the PTX is .version {have[0]}.{have[1]} but this driver (CUDA {driver_version // 1000}."
+            f"{(driver_version % 1000) // 10}) JIT-compiles at most PTX {limit[0]}.{limit[1]}. Put a ptxas "
+            f"on PATH (SPARSECONV_PTXAS) so a cubin is built instead, use an nvcc no newer than the driver, "
+            f"or upgrade the driver.")
+
+
+def device_target(device_id: Optional[int] = None) -> Target:
+    """The Target of a CUDA device (the current one by default)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return Target(f"sm_{dev.compute_capability}")
+
+
+def load_kernel(artifact: bytes, suffix: str, entry: str) -> Tuple[Any, Any]:
+    """Load cubin (suffix '.cubin') or PTX ('.ptx') bytes with cupy.RawModule on
+    the current device; returns (module, kernel function). get_function forces
+    the load while the temporary file still exists (RawModule may be lazy)."""
+    import cupy
+
+    if suffix == ".ptx":
+        check_ptx_loadable(artifact.decode(), cupy.cuda.runtime.driverGetVersion())
+    fd, path = tempfile.mkstemp(prefix="sparseconv-", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(artifact)
+        module = cupy.RawModule(path=path)
+        return module, module.get_function(entry)
+    finally:
+        os.unlink(path)

@@ -1,0 +1,121 @@
+"""The pipeline, CPU side: render -> compile (cached) -> specialise -> assemble (cached).
+
+Needs nvcc (and ptxas for a cubin) but no GPU, so the CLI and CI can build
+artifacts anywhere. Loading and calling happen in sparseconv.kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import numpy as np
+
+from . import __version__
+from .assemble import PTXAS_FLAGS, assemble_cubin, have_ptxas
+from .cache import ArtifactCache, cache_key
+from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
+from .render import ENTRY_NAME, render
+from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_size
+from .specialise import analyse_template, specialise
+
+# Bump when the specialiser's output for the same input changes.
+SPECIALISER_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class CompiledLayer:
+    """Everything needed to launch one specialised layer."""
+
+    name: str
+    shape: ConvShape
+    tiling: Tiling
+    target: Target
+    entry: str
+    artifact: bytes            # cubin, or PTX when no ptxas was found
+    artifact_suffix: str       # '.cubin' or '.ptx'
+    ptx_sha256: str            # content hash naming the cached specialised PTX
+    stats: Dict[str, object] = field(hash=False, compare=False)
+
+    @property
+    def grid_tiles(self) -> int:
+        return -(-self.shape.out_h // self.tiling.tile_h) * -(-self.shape.out_w // self.tiling.tile_w)
+
+    @property
+    def kblocks(self) -> int:
+        return n_kblocks(self.shape, self.tiling)
+
+    @property
+    def chunks(self) -> int:
+        return n_chunks(self.shape, self.tiling)
+
+    @property
+    def shared_bytes(self) -> int:
+        ph, pw = patch_size(self.shape, self.tiling)
+        return self.tiling.c_block * ph * pw * 4
+
+
+def template_cache_key(source: str, target: Target) -> str:
+    return cache_key("template", __version__, source, target.arch, tool_identity("nvcc"), " ".join(NVCC_FLAGS))
+
+
+def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
+                 target: Optional[Target] = None, cache: Optional[ArtifactCache] = None,
+                 name: str = "conv") -> CompiledLayer:
+    """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage."""
+    tiling = tiling or default_tiling(shape)
+    target = target or Target()
+    cache = cache or ArtifactCache()
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if weight.shape != shape.weight_shape:
+        raise ValueError(f"layer {name}: weight shape {weight.shape}, expected {shape.weight_shape}")
+    seconds: Dict[str, float] = {}
+    what = f"layer {name} ({shape.describe()})"
+
+    t = time.perf_counter()
+    rendered = render(shape, tiling)
+    seconds["render"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    tkey = template_cache_key(rendered.source, target)
+    template_ptx = cache.get_text("template", tkey, ".ptx")
+    template_hit = template_ptx is not None
+    if template_ptx is None:
+        template_ptx = compile_to_ptx(rendered.source, target, what)
+        cache.put_text("template", tkey, ".ptx", template_ptx)
+    seconds["compile"] = time.perf_counter() - t
+
+    use_ptxas = have_ptxas()
+    suffix = ".cubin" if use_ptxas else ".ptx"
+    assembler = tool_identity("ptxas") + " ".join(PTXAS_FLAGS) if use_ptxas else "driver-jit"
+    kkey = cache_key("kernel", tkey, SPECIALISER_VERSION, weight.tobytes(), repr(shape), repr(tiling), assembler)
+
+    # Warm path: the index names the specialised artifact by its content hash.
+    index = cache.get_json("kernel", kkey)
+    if index is not None:
+        artifact = cache.get("kernel", index["ptx_sha256"], suffix)
+        if artifact is not None:
+            stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
+                         template_cache_hit=template_hit, kernel_cache_hit=True)
+            return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix,
+                                 index["ptx_sha256"], stats)
+
+    t = time.perf_counter()
+    layout = analyse_template(template_ptx, rendered)
+    ptx, spec = specialise(template_ptx, rendered, weight, layout)
+    seconds["specialise"] = time.perf_counter() - t
+    ptx_sha = hashlib.sha256(ptx.encode()).hexdigest()
+
+    t = time.perf_counter()
+    artifact = assemble_cubin(ptx, target, what) if use_ptxas else ptx.encode()
+    seconds["assemble"] = time.perf_counter() - t
+
+    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), target=target.arch,
+                                    artifact_bytes=len(artifact), template_key=tkey, kernel_key=kkey)
+    cache.put_text("kernel", ptx_sha, ".ptx", ptx)
+    if use_ptxas:
+        cache.put("kernel", ptx_sha, ".cubin", artifact)
+    cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats})  # index last
+    stats = dict(stats, seconds=seconds, template_cache_hit=template_hit, kernel_cache_hit=False)
+    return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats)

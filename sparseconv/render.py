@@ -1,0 +1,108 @@
+"""Stage 1, render: Jinja2 template -> CUDA C source with placeholder weights.
+
+Each weight of the template body (k_block x c_block x R x S of them) is a
+unique placeholder float. After compilation a placeholder's bit pattern says
+which (kb, cb, r, s) an instruction belongs to, whatever order NVVM chose.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Tuple
+
+import jinja2
+
+from .shapes import ConvShape, Tiling, check_tiling, n_kblocks, patch_size
+
+TEMPLATE_NAME = "conv2d_direct.cu.j2"
+ENTRY_NAME = "sc_conv2d"
+KBLOCK_FUNC = "sc_kblock"
+
+# Placeholders are floats in [1, 2): exponent fixed at 127, mantissa drawn from
+# an odd-multiplier permutation of 1..2^23-1. Distinct by construction, never 0,
+# +-1, +-2, 0.5 or any power of two (mantissa 0 is never produced).
+_PLACEHOLDER_EXP = 0x3F800000
+_MANTISSA_BITS = 23
+_MULTIPLIER = 0x2B3C5  # odd, so i -> i*M mod 2^23 is a bijection
+
+
+def placeholder_bits(index: int) -> int:
+    """The float32 bit pattern of placeholder number `index` (0-based)."""
+    limit = (1 << _MANTISSA_BITS) - 1
+    if not 0 <= index < limit:
+        raise ValueError(f"placeholder index {index} out of range [0, {limit})")
+    mantissa = ((index + 1) * _MULTIPLIER) & limit
+    if mantissa == 0:  # cannot happen for index+1 < 2^23 with an odd multiplier
+        raise AssertionError("placeholder mantissa 0")
+    return _PLACEHOLDER_EXP | mantissa
+
+
+def placeholder_value(index: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", placeholder_bits(index)))[0]
+
+
+@dataclass(frozen=True)
+class RenderedTemplate:
+    source: str
+    shape: ConvShape
+    tiling: Tiling
+    # placeholder bit pattern -> (kb, cb, r, s) inside the body
+    placeholders: Dict[int, Tuple[int, int, int, int]]
+
+    @property
+    def source_sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+def template_dir() -> Path:
+    """templates/ ships inside the wheel as sparseconv/templates, and sits at the
+    repository root in an editable install."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / TEMPLATE_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(f"{TEMPLATE_NAME} not found in {here / 'templates'} or {here.parent / 'templates'}; "
+                            "reinstall sparseconv (pip install -e .)")
+
+
+def body_index(shape: ConvShape, tiling: Tiling, kb: int, cb: int, r: int, s: int) -> int:
+    return ((kb * tiling.c_block + cb) * shape.kernel_h + r) * shape.kernel_w + s
+
+
+def render(shape: ConvShape, tiling: Tiling) -> RenderedTemplate:
+    check_tiling(shape, tiling)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    placeholders: Dict[int, Tuple[int, int, int, int]] = {}
+
+    def placeholder(kb: int, cb: int, r: int, s: int) -> str:
+        bits = placeholder_bits(body_index(shape, tiling, kb, cb, r, s))
+        placeholders[bits] = (kb, cb, r, s)
+        return f"0x{bits:08X}"
+
+    ph, pw = patch_size(shape, tiling)
+    tiles_w = -(-shape.out_w // tiling.tile_w)
+    source = env.get_template(TEMPLATE_NAME).render(
+        template_name=TEMPLATE_NAME, entry_name=ENTRY_NAME,
+        shape_comment=shape.describe(), tiling_comment=tiling.describe(),
+        K=shape.out_channels, C=shape.in_channels,
+        K_PER_GROUP=shape.k_per_group, C_PER_GROUP=shape.c_per_group,
+        KBLOCKS_PER_GROUP=n_kblocks(shape, tiling) // shape.groups,
+        H=shape.in_h, W=shape.in_w, HO=shape.out_h, WO=shape.out_w,
+        R=shape.kernel_h, S=shape.kernel_w,
+        STRIDE_H=shape.stride[0], STRIDE_W=shape.stride[1],
+        PAD_H=shape.padding[0], PAD_W=shape.padding[1],
+        DIL_H=shape.dilation[0], DIL_W=shape.dilation[1],
+        KB=tiling.k_block, CB=tiling.c_block, BH=tiling.thread_h, BW=tiling.thread_w,
+        TH=tiling.tile_h, TW=tiling.tile_w, TILES_W=tiles_w,
+        THREADS_X=tiling.threads_x, THREADS=tiling.threads,
+        PATCH_H=ph, PATCH_W=pw,
+        ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1,
+        placeholder=placeholder,
+    )
+    expected = tiling.k_block * tiling.c_block * shape.kernel_h * shape.kernel_w
+    if len(placeholders) != expected:
+        raise AssertionError(f"template rendered {len(placeholders)} placeholders, expected {expected}")
+    return RenderedTemplate(source, shape, tiling, placeholders)

@@ -1,0 +1,198 @@
+"""The small frozen records every stage passes around: layer shape, tiling, target."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Tuple, Union
+
+IntPair = Union[int, Tuple[int, int]]
+
+# Bound on the weights of one template body (K_BLOCK * C_BLOCK * R * S). nvcc and
+# ptxas time grow faster than linearly with straight-line code, so the template
+# never holds more than this; bigger layers are built from copies of its PTX.
+MAX_BODY_WEIGHTS = 576
+# Static shared memory of one block (the input patch of one chunk of channels).
+MAX_PATCH_BYTES = 48 * 1024
+
+
+def pair(value: IntPair, name: str) -> Tuple[int, int]:
+    """Accept an int or a pair of ints, like torch.nn.functional.conv2d."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    try:
+        a, b = value  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b)):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return (int(a), int(b))
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One conv layer, batch size excluded (it is free at call time). NCHW."""
+
+    in_channels: int
+    out_channels: int
+    in_h: int
+    in_w: int
+    kernel_h: int
+    kernel_w: int
+    stride: Tuple[int, int] = (1, 1)
+    padding: Tuple[int, int] = (0, 0)
+    dilation: Tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("in_channels", "out_channels", "in_h", "in_w", "kernel_h", "kernel_w", "groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("stride", "dilation"):
+            if min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.padding) < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.in_channels % self.groups or self.out_channels % self.groups:
+            raise ValueError(
+                f"in_channels ({self.in_channels}) and out_channels ({self.out_channels}) "
+                f"must both be divisible by groups ({self.groups})")
+        if self.out_h < 1 or self.out_w < 1:
+            raise ValueError(
+                f"the output would be empty: input {self.in_h}x{self.in_w}, kernel "
+                f"{self.kernel_h}x{self.kernel_w}, stride {self.stride}, padding {self.padding}, "
+                f"dilation {self.dilation} give {self.out_h}x{self.out_w}")
+
+    @property
+    def c_per_group(self) -> int:
+        return self.in_channels // self.groups
+
+    @property
+    def k_per_group(self) -> int:
+        return self.out_channels // self.groups
+
+    @property
+    def out_h(self) -> int:
+        return (self.in_h + 2 * self.padding[0] - self.dilation[0] * (self.kernel_h - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def out_w(self) -> int:
+        return (self.in_w + 2 * self.padding[1] - self.dilation[1] * (self.kernel_w - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def weight_shape(self) -> Tuple[int, int, int, int]:
+        return (self.out_channels, self.c_per_group, self.kernel_h, self.kernel_w)
+
+    def describe(self) -> str:
+        return (f"C={self.in_channels} K={self.out_channels} {self.in_h}x{self.in_w} "
+                f"kernel {self.kernel_h}x{self.kernel_w} stride {self.stride} pad {self.padding} "
+                f"dilation {self.dilation} groups {self.groups}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How work is split. Each block computes tile_h x tile_w outputs of k_block
+    output channels for one image; each thread thread_h x thread_w of them per
+    channel; input channels are staged c_block at a time."""
+
+    k_block: int
+    c_block: int
+    tile_h: int
+    tile_w: int
+    thread_h: int = 1
+    thread_w: int = 1
+
+    def __post_init__(self) -> None:
+        for name, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"tiling.{name} must be a positive int, got {v!r}")
+        if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
+            raise ValueError(f"tile {self.tile_h}x{self.tile_w} is not a multiple of the "
+                             f"per-thread {self.thread_h}x{self.thread_w}")
+        if self.threads > 1024:
+            raise ValueError(f"tiling gives {self.threads} threads per block; at most 1024")
+
+    @property
+    def threads_x(self) -> int:
+        return self.tile_w // self.thread_w
+
+    @property
+    def threads(self) -> int:
+        return (self.tile_h // self.thread_h) * self.threads_x
+
+    def describe(self) -> str:
+        return (f"k_block={self.k_block} c_block={self.c_block} tile={self.tile_h}x{self.tile_w} "
+                f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads)")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the PTX is compiled for. arch as nvcc spells it (sm_90 for H100)."""
+
+    arch: str = "sm_90"
+
+    def __post_init__(self) -> None:
+        if not (self.arch.startswith("sm_") and self.arch[3:].rstrip("af").isdigit()):
+            raise ValueError(f"target arch must look like 'sm_90', got {self.arch!r}")
+
+
+def patch_size(shape: ConvShape, tiling: Tiling) -> Tuple[int, int]:
+    """Input rows and columns a block needs for its tile of outputs."""
+    ph = (tiling.tile_h - 1) * shape.stride[0] + (shape.kernel_h - 1) * shape.dilation[0] + 1
+    pw = (tiling.tile_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1
+    return ph, pw
+
+
+def n_chunks(shape: ConvShape, tiling: Tiling) -> int:
+    return math.ceil(shape.c_per_group / tiling.c_block)
+
+
+def n_kblocks(shape: ConvShape, tiling: Tiling) -> int:
+    return shape.groups * math.ceil(shape.k_per_group / tiling.k_block)
+
+
+def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
+    """Raise ValueError when a tiling cannot serve this layer."""
+    body = tiling.k_block * tiling.c_block * shape.kernel_h * shape.kernel_w
+    if body > MAX_BODY_WEIGHTS * 4:
+        raise ValueError(f"tiling {tiling.describe()} puts {body} weights in one template body; "
+                         f"keep k_block*c_block*R*S <= {MAX_BODY_WEIGHTS * 4} or compile time explodes")
+    ph, pw = patch_size(shape, tiling)
+    if tiling.c_block * ph * pw * 4 > MAX_PATCH_BYTES:
+        raise ValueError(f"tiling {tiling.describe()} needs {tiling.c_block * ph * pw * 4} bytes of "
+                         f"shared memory per block; at most {MAX_PATCH_BYTES}: lower c_block or the tile")
+    if tiling.k_block > shape.k_per_group:
+        raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
+    if tiling.c_block > shape.c_per_group:
+        raise ValueError(f"c_block={tiling.c_block} exceeds the {shape.c_per_group} input channels per group")
+
+
+def default_tiling(shape: ConvShape) -> Tiling:
+    """A sensible tiling: ~128 threads, 4 outputs per thread along W, 8 output
+    channels per block, as many input channels per chunk as the body bound and
+    shared memory allow."""
+    wo, ho = shape.out_w, shape.out_h
+    thread_w = min(4, wo)
+    threads_x = min(math.ceil(wo / thread_w), 16)
+    tile_w = threads_x * thread_w
+    threads_y = max(1, min(ho, 128 // threads_x))
+    tile_h = threads_y
+    k_block = min(8, shape.k_per_group)
+    rs = shape.kernel_h * shape.kernel_w
+    c_block = max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS // (k_block * rs)))
+    tiling = Tiling(k_block, c_block, tile_h, tile_w, 1, thread_w)
+    while True:
+        ph, pw = patch_size(shape, tiling)
+        if tiling.c_block * ph * pw * 4 <= MAX_PATCH_BYTES:
+            return tiling
+        if tiling.c_block > 1:
+            tiling = Tiling(k_block, max(1, tiling.c_block // 2), tiling.tile_h, tiling.tile_w, 1, thread_w)
+        elif tiling.tile_h > 1:
+            tiling = Tiling(k_block, 1, max(1, tiling.tile_h // 2), tiling.tile_w, 1, thread_w)
+        else:
+            raise ValueError(f"no tiling fits shared memory for {shape.describe()}")

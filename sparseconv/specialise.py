@@ -1,0 +1,507 @@
+"""Stage 3, specialise: the template PTX + a layer's real weights -> the layer's PTX.
+
+This is where a layer's weights enter the PTX (the paper's Algorithm 2), in one
+linear pass:
+
+* The template holds ONE bounded body: k_block x c_block x R x S placeholder
+  weights, inside the chunk loop of the `.func sc_kblock`. For every block of
+  output channels the pass writes a copy of that function, and inside it one
+  copy of the loop body per chunk of input channels (the loop has no other
+  exit, so running its body n times in a row is the loop). Each copy gets that
+  (channel block, chunk)'s weights.
+* A placeholder reaches an FMA either as `mov.f32 %fA, 0fPLACEHOLDER` then
+  `fma.rn.f32 %fD, %fX, %fA, %fC` (what NVVM emits), or as an immediate operand.
+  Either way the FMA is rewritten with the real weight as an immediate and the
+  placeholder movs are dropped.
+* An FMA whose weight is 0 is deleted and `regmap[D] = C`: later reads of D
+  read C instead, so the accumulation chain stays intact. PTX registers are
+  not single-assignment across copies, so before an instruction redefines a
+  register R, every D still aliased to R is first materialised (`mov D, R`);
+  ptxas removes the movs nobody reads.
+* The entry's single call becomes a jump table over the copies (brx.idx on
+  blockIdx.y).
+
+Invariants are checked by raising SpecialiseError: each placeholder is used by
+exactly `outputs per thread` FMAs of the body, none outside the loop body, the
+loop has the expected shape, and deleted FMAs == zero weights x multiplicity.
+"""
+from __future__ import annotations
+
+import re
+from bisect import bisect_left, bisect_right
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from .ptx import (REG_RE, PtxParseError, Stmt, f32_immediate_bits, parse_module, parse_statements,
+                  reg_prefix, register_types, split_operands)
+from .render import ENTRY_NAME, KBLOCK_FUNC, RenderedTemplate, body_index
+from .shapes import ConvShape, Tiling, n_chunks, n_kblocks
+
+
+class SpecialiseError(RuntimeError):
+    """The template PTX broke an invariant of the pass. Carries the PTX line."""
+
+    def __init__(self, message: str, line: Optional[int] = None, text: str = "") -> None:
+        where = f" (template PTX line {line}: {text.strip()!r})" if line else ""
+        super().__init__(message + where)
+        self.line = line
+
+
+@dataclass(frozen=True)
+class SpecialiseStats:
+    kblocks: int               # copies of the k-block function
+    chunks: int                # copies of the loop body in each
+    weights: int               # K * C/groups * R * S of the layer
+    nonzero_weights: int
+    fmas_per_weight: int       # outputs per thread: FMAs one weight feeds in the body
+    fmas_before: int           # placeholder FMAs over all copies, padding included
+    fmas_deleted: int
+    fmas_kept: int
+    loads_dropped: int         # shared loads that fed only deleted FMAs
+    ptx_lines_template: int
+    ptx_lines: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- weights
+
+def arrange_weights(weight: np.ndarray, shape: ConvShape, tiling: Tiling) -> np.ndarray:
+    """(K, C/groups, R, S) -> (kblocks, chunks, body) in placeholder body order.
+    Channels past K or C of a group (padding up to whole blocks) get weight 0."""
+    g, kpg, cpg = shape.groups, shape.k_per_group, shape.c_per_group
+    kb, cb = tiling.k_block, tiling.c_block
+    kbpg = n_kblocks(shape, tiling) // g
+    nch = n_chunks(shape, tiling)
+    r, s = shape.kernel_h, shape.kernel_w
+    w = np.asarray(weight, dtype=np.float32).reshape(g, kpg, cpg, r, s)
+    padded = np.zeros((g, kbpg * kb, nch * cb, r, s), dtype=np.float32)
+    padded[:, :kpg, :cpg] = w
+    padded = padded.reshape(g, kbpg, kb, nch, cb, r, s).transpose(0, 1, 3, 2, 4, 5, 6)
+    return np.ascontiguousarray(padded.reshape(g * kbpg, nch, kb * cb * r * s))
+
+
+# --------------------------------------------------------------------------- template analysis
+
+@dataclass(frozen=True)
+class _Fma:
+    """A placeholder FMA of the loop body: d = input * w[index] + acc."""
+    pred: str
+    opcode: str
+    dest: str
+    input: str
+    acc: str
+    index: int
+    line: int
+
+
+@dataclass(frozen=True)
+class TemplateLayout:
+    header: List[str]
+    func_head: List[str]
+    prologue: List[Stmt]
+    loop_label: str
+    loop_body: List[object]      # Stmt or _Fma, in order
+    epilogue: List[Stmt]
+    labels: Set[str]             # labels defined in the function
+    reg_types: Dict[str, str]    # register prefix -> PTX type
+    entry_head: List[str]
+    entry_stmts: List[Stmt]
+    entry_call: Stmt
+    entry_callseq: Tuple[int, int]  # indices of the '{' and '}' around the call
+    fmas_per_weight: int
+    ptx_lines: int
+    liveness: "_BodyLiveness"
+
+
+@dataclass(frozen=True)
+class _BodyLiveness:
+    """Where each register is read and written in the loop body, computed once
+    per template so the pass can tell, in O(log n), whether an aliased register
+    is still read later (and so needs a mov before its source is overwritten)."""
+    reads: Dict[str, List[int]]
+    defs: Dict[str, List[int]]
+    live_out: Set[str]                       # read by the next copy or the epilogue
+    load_consumers: Dict[int, Tuple[int, ...]]  # body position of a droppable load -> weight indices
+
+    def read_later(self, reg: str, pos: int) -> bool:
+        """Is `reg`'s value at body position `pos` (just before the instruction
+        there writes something) read again?"""
+        reads, defs = self.reads.get(reg, ()), self.defs.get(reg, ())
+        nxt_def = defs[bisect_right(defs, pos)] if defs and defs[-1] > pos else None
+        i = bisect_left(reads, pos)
+        if i < len(reads) and (nxt_def is None or reads[i] <= nxt_def):
+            return True
+        return nxt_def is None and reg in self.live_out
+
+
+def _body_liveness(body: List[object], epilogue: List[Stmt]) -> _BodyLiveness:
+    reads: Dict[str, List[int]] = defaultdict(list)
+    defs: Dict[str, List[int]] = defaultdict(list)
+    fma_reads: Dict[str, List[Tuple[int, int]]] = defaultdict(list)  # reg -> (pos, weight index)
+    upward: Set[str] = set()
+    for pos, item in enumerate(body):
+        if isinstance(item, _Fma):
+            srcs, dests = [item.input, item.acc] + REG_RE.findall(item.pred), [item.dest]
+            fma_reads[item.input].append((pos, item.index))
+        elif item.kind == "instr":
+            srcs, dests = item.src_regs(), item.dest_regs()
+        else:
+            continue
+        for r in srcs:
+            if r.startswith("%"):
+                reads[r].append(pos)
+                if r not in defs:
+                    upward.add(r)
+        for d in dests:
+            defs[d].append(pos)
+    live_out = upward | {r for st in epilogue if st.kind == "instr" for r in st.src_regs()}
+    consumers: Dict[int, Tuple[int, ...]] = {}
+    for pos, item in enumerate(body):
+        if not (isinstance(item, Stmt) and item.kind == "instr" and item.opcode.startswith("ld.shared")
+                and not item.pred):
+            continue
+        regs = item.dest_regs()
+        idx: List[int] = []
+        for r in regs:
+            if len(defs[r]) != 1 or r in live_out or len(fma_reads[r]) != len(reads[r]):
+                break  # read by something other than placeholder FMAs: always keep
+            idx.extend(i for _, i in fma_reads[r])
+        else:
+            consumers[pos] = tuple(idx)
+    return _BodyLiveness(dict(reads), dict(defs), live_out, consumers)
+
+
+def _branch_target(st: Stmt) -> Optional[str]:
+    if st.kind == "instr" and st.base_opcode == "bra":
+        return st.srcs.strip()
+    return None
+
+
+def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
+    """Find the pieces of the template PTX the pass copies, checking its shape."""
+    shape, tiling = rendered.shape, rendered.tiling
+    bits_to_index = {bits: body_index(shape, tiling, *pos) for bits, pos in rendered.placeholders.items()}
+    try:
+        module = parse_module(ptx)
+        func = module.function(KBLOCK_FUNC)
+        entry = module.function(ENTRY_NAME)
+        stmts = parse_statements(func.body, func.body_first_line)
+        entry_stmts = parse_statements(entry.body, entry.body_first_line)
+    except PtxParseError as exc:
+        raise SpecialiseError(f"template PTX does not parse: {exc}") from None
+
+    # Registers that hold a placeholder (mov.f32 %fA, 0fPLACEHOLDER).
+    ph_reg: Dict[str, int] = {}
+    defs: Dict[str, int] = defaultdict(int)
+    for st in stmts:
+        if st.kind != "instr":
+            continue
+        for d in st.dest_regs():
+            defs[d] += 1
+        if st.opcode in ("mov.f32", "mov.b32"):
+            bits = f32_immediate_bits(st.srcs.strip())
+            if bits is not None and bits in bits_to_index:
+                if st.pred:
+                    raise SpecialiseError("predicated placeholder mov", st.line, st.text)
+                prev = ph_reg.get(st.dest)
+                if prev is not None and prev != bits_to_index[bits]:
+                    raise SpecialiseError(f"register {st.dest} holds two placeholders", st.line, st.text)
+                ph_reg[st.dest] = bits_to_index[bits]
+    for reg in ph_reg:
+        movs = sum(1 for st in stmts if st.kind == "instr" and st.dest == reg and st.opcode in ("mov.f32", "mov.b32"))
+        if defs[reg] != movs:
+            raise SpecialiseError(f"placeholder register {reg} is also written by other instructions")
+
+    def placeholder_fma(st: Stmt) -> Optional[_Fma]:
+        """Decode a placeholder FMA, or None for any other statement."""
+        if st.kind != "instr" or (st.base_opcode == "mov" and st.dest in ph_reg):
+            return None
+        ops = split_operands(st.srcs)
+        uses = [r for r in st.src_regs() if r in ph_reg]
+        imm = [i for i, op in enumerate(ops) if f32_immediate_bits(op) in bits_to_index]
+        if not uses and not imm:
+            return None
+        if st.base_opcode != "fma" or not st.opcode.endswith(".f32") or len(ops) != 3:
+            raise SpecialiseError(f"placeholder used by {st.opcode}, expected only fma.*.f32", st.line, st.text)
+        weight_pos = [i for i in (0, 1) if ops[i] in ph_reg or i in imm]
+        if len(weight_pos) != 1 or ops[2] in ph_reg or 2 in imm:
+            raise SpecialiseError("FMA must have exactly one placeholder multiplicand", st.line, st.text)
+        wp = weight_pos[0]
+        index = ph_reg[ops[wp]] if ops[wp] in ph_reg else bits_to_index[f32_immediate_bits(ops[wp])]
+        return _Fma(st.pred, st.opcode, st.dest, ops[1 - wp], ops[2], index, st.line)
+
+    # The chunk loop: a label followed by `.pragma "nounroll"` and closed by the
+    # last branch back to it.
+    loops = []
+    for i, st in enumerate(stmts):
+        if st.kind == "label" and i + 1 < len(stmts) and stmts[i + 1].text.strip() == '.pragma "nounroll";':
+            label = st.text[:-1]
+            back = [j for j in range(i + 2, len(stmts)) if _branch_target(stmts[j]) == label]
+            if back:
+                loops.append((i, back[-1], label))
+    fma_at = {i: f for i, f in ((i, placeholder_fma(st)) for i, st in enumerate(stmts)) if f is not None}
+    if not fma_at:
+        raise SpecialiseError("no placeholder FMA found in the template PTX")
+    first, last = min(fma_at), max(fma_at)
+    enclosing = [lp for lp in loops if lp[0] < first and lp[1] > last]
+    if len(enclosing) != 1:
+        raise SpecialiseError(f"expected one `nounroll` loop around all placeholder FMAs, found {len(enclosing)}")
+    start, end, loop_label = enclosing[0]
+    back_edge = stmts[end]
+
+    labels = {st.text[:-1] for st in stmts if st.kind == "label"}
+    inner_labels = {st.text[:-1] for st in stmts[start + 1:end] if st.kind == "label"}
+    for i, st in enumerate(stmts):
+        tgt = _branch_target(st)
+        if st.kind == "instr" and st.base_opcode in ("brx", "ret", "exit") and start < i < end:
+            raise SpecialiseError(f"{st.opcode} inside the chunk loop", st.line, st.text)
+        if tgt is None or i == end:
+            continue
+        inside = start < i < end
+        if tgt == loop_label:
+            raise SpecialiseError("a second branch to the chunk loop header", st.line, st.text)
+        if inside and tgt not in inner_labels:
+            raise SpecialiseError("a branch leaves the chunk loop early", st.line, st.text)
+        if not inside and tgt in inner_labels:
+            raise SpecialiseError("a branch enters the chunk loop from outside", st.line, st.text)
+    if back_edge.pred == "":
+        raise SpecialiseError("chunk loop back edge is unconditional", back_edge.line, back_edge.text)
+
+    # Each weight must feed exactly thread_h * thread_w FMAs.
+    per_weight = tiling.thread_h * tiling.thread_w
+    counts = np.bincount([f.index for f in fma_at.values()], minlength=len(bits_to_index))
+    if len(counts) != len(bits_to_index) or not np.all(counts == per_weight):
+        missing = int(np.sum(counts == 0))
+        raise SpecialiseError(f"placeholder FMA counts do not add up: expected {per_weight} per weight for "
+                              f"{len(bits_to_index)} weights; {missing} weights never used, counts range "
+                              f"{int(counts.min())}..{int(counts.max())}")
+
+    body: List[object] = []
+    for i in range(start + 1, end):
+        st = stmts[i]
+        if i in fma_at:
+            body.append(fma_at[i])
+        elif i == start + 1:
+            continue  # the .pragma "nounroll" of the header
+        elif not (st.kind == "instr" and st.dest in ph_reg and st.base_opcode == "mov"):
+            body.append(st)
+    outside = [st for st in stmts[:start] + stmts[end + 1:]
+               if not (st.kind == "instr" and st.dest in ph_reg and st.base_opcode == "mov")]
+    for st in outside:
+        if st.kind == "instr" and any(r in ph_reg for r in st.src_regs()):
+            raise SpecialiseError("placeholder register read outside the chunk loop", st.line, st.text)
+    prologue = [st for st in stmts[:start] if st in outside]
+    epilogue = [st for st in stmts[end + 1:] if st in outside]
+
+    calls = [i for i, st in enumerate(entry_stmts)
+             if st.kind == "instr" and st.base_opcode == "call" and re.search(rf"\b{KBLOCK_FUNC}\b", st.srcs)]
+    if len(calls) != 1:
+        raise SpecialiseError(f"expected one call of {KBLOCK_FUNC} in {ENTRY_NAME}, found {len(calls)}")
+    c = calls[0]
+    depth, open_at = 0, -1
+    for i in range(c - 1, -1, -1):
+        kind = entry_stmts[i].kind
+        depth += (kind == "close") - (kind == "open")
+        if depth < 0:
+            open_at = i
+            break
+    depth, close_at = 0, -1
+    for i in range(c + 1, len(entry_stmts)):
+        kind = entry_stmts[i].kind
+        depth += (kind == "open") - (kind == "close")
+        if depth < 0:
+            close_at = i
+            break
+    if open_at < 0 or close_at < 0:
+        raise SpecialiseError(f"the call of {KBLOCK_FUNC} is not inside a {{ }} call sequence block",
+                              entry_stmts[c].line, entry_stmts[c].text)
+    if not re.search(rf"\b{KBLOCK_FUNC}\(", func.head[0]):
+        raise SpecialiseError(f"unexpected declaration line of {KBLOCK_FUNC}: {func.head[0]!r}")
+    return TemplateLayout(
+        header=module.header, func_head=func.head, prologue=prologue, loop_label=loop_label,
+        loop_body=body, epilogue=epilogue, labels=labels,
+        reg_types=register_types(stmts), entry_head=entry.head,
+        entry_stmts=entry_stmts, entry_call=entry_stmts[c], entry_callseq=(open_at, close_at),
+        fmas_per_weight=per_weight, ptx_lines=len(ptx.splitlines()),
+        liveness=_body_liveness(body, epilogue))
+
+
+# --------------------------------------------------------------------------- the pass
+
+class _Renamer:
+    """regmap with materialisation: `alias[d] = r` means "read r where d is read".
+
+    Inside the loop body `pos` is the body position being emitted and liveness
+    says whether an alias is still read; elsewhere (pos None) every alias whose
+    source is overwritten is materialised, which is always correct."""
+
+    def __init__(self, reg_types: Dict[str, str], liveness: _BodyLiveness) -> None:
+        self.alias: Dict[str, str] = {}
+        self.aliased_by: Dict[str, Set[str]] = defaultdict(set)
+        self.reg_types = reg_types
+        self.liveness = liveness
+        self.pos: Optional[int] = None
+
+    def mov(self, dst: str, src: str, pred: str = "") -> str:
+        return f"\t{pred}mov.{self.reg_types.get(reg_prefix(dst), 'b32')} {dst}, {src};"
+
+    def rename(self, text: str) -> str:
+        alias = self.alias
+        return REG_RE.sub(lambda m: alias.get(m.group(0), m.group(0)), text)
+
+    def before_write(self, reg: str, predicated: bool, out: List[str]) -> None:
+        """`reg` is about to be written: registers still read through it get its
+        old value first; its own alias ends (kept as a mov if the write may not
+        happen)."""
+        readers = self.aliased_by.pop(reg, None)
+        if readers:
+            for d in sorted(readers):
+                if self.pos is None or self.liveness.read_later(d, self.pos):
+                    out.append(self.mov(d, reg))
+                del self.alias[d]
+        src = self.alias.pop(reg, None)
+        if src is not None:
+            self.aliased_by[src].discard(reg)
+            if predicated:
+                out.append(self.mov(reg, src))
+
+    def set_alias(self, d: str, src: str, out: List[str]) -> None:
+        self.before_write(d, False, out)
+        if src != d:
+            self.alias[d] = src
+            self.aliased_by[src].add(d)
+
+
+def _emit(st: Stmt, ren: _Renamer, out: List[str], label_sfx: str, labels: Set[str]) -> None:
+    if st.kind == "label":
+        out.append(f"{st.text[:-1]}{label_sfx}:")
+        return
+    if st.kind != "instr":
+        out.append(st.text)
+        return
+    srcs, pred = st.srcs, st.pred
+    if ren.alias:
+        srcs, pred = ren.rename(srcs), ren.rename(pred)
+    if st.base_opcode == "bra" and srcs.strip() in labels:
+        srcs = srcs.strip() + label_sfx
+    for d in st.dest_regs():
+        ren.before_write(d, bool(pred), out)
+    ops = st.dest + (", " if st.dest and srcs else "") + srcs
+    out.append(f"\t{pred}{st.opcode} {ops};")
+
+
+def _render_plain(st: Stmt) -> str:
+    return st.render() if st.kind == "instr" else st.text
+
+
+def _f32(bits: int) -> str:
+    return f"0f{bits:08X}"
+
+
+def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray,
+               layout: Optional[TemplateLayout] = None) -> Tuple[str, SpecialiseStats]:
+    """The layer's PTX and what the pass did. `weight` is (K, C/groups, R, S) float32."""
+    shape, tiling = rendered.shape, rendered.tiling
+    weight = np.asarray(weight, dtype=np.float32)
+    if weight.shape != shape.weight_shape:
+        raise ValueError(f"weight shape {weight.shape} does not match the layer's {shape.weight_shape}")
+    if layout is None:
+        layout = analyse_template(template_ptx, rendered)
+    arranged = arrange_weights(weight, shape, tiling)
+    bits = arranged.view(np.uint32)
+    kblocks, chunks, _ = arranged.shape
+    labels = layout.labels
+    out: List[str] = list(layout.header)
+    n_fma = n_deleted = n_loads_dropped = 0
+
+    for b in range(kblocks):
+        ren = _Renamer(layout.reg_types, layout.liveness)
+        head = list(layout.func_head)
+        head[0] = re.sub(rf"\b{KBLOCK_FUNC}\(", f"{KBLOCK_FUNC}_{b}(", head[0], count=1)
+        out.extend(head)
+        out.append("{")
+        sfx = f"_k{b}"
+        for st in layout.prologue:
+            _emit(st, ren, out, sfx, labels)
+        consumers = layout.liveness.load_consumers
+        for j in range(chunks):
+            w_bits = bits[b, j].tolist()
+            csfx = f"_k{b}c{j}"
+            out.append(f"\t// chunk {j} of output-channel block {b}")
+            for pos, item in enumerate(layout.loop_body):
+                ren.pos = pos
+                if isinstance(item, Stmt):
+                    used_by = consumers.get(pos)
+                    if used_by is not None and not any(w_bits[i] & 0x7FFFFFFF for i in used_by):
+                        n_loads_dropped += 1
+                        continue  # a load only zero-weight FMAs read
+                    _emit(item, ren, out, csfx, labels)
+                    continue
+                n_fma += 1
+                wb = w_bits[item.index]
+                acc = ren.alias.get(item.acc, item.acc)
+                if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
+                    n_deleted += 1
+                    if item.pred or not acc.startswith("%"):
+                        ren.before_write(item.dest, bool(item.pred), out)
+                        out.append(ren.mov(item.dest, acc, ren.rename(item.pred)))
+                    else:
+                        ren.set_alias(item.dest, acc, out)
+                    continue
+                x = ren.alias.get(item.input, item.input)
+                pred = ren.rename(item.pred) if item.pred else ""
+                ren.before_write(item.dest, bool(pred), out)
+                out.append(f"\t{pred}{item.opcode} {item.dest}, {x}, {_f32(wb)}, {acc};")
+        ren.pos = None
+        for st in layout.epilogue:
+            _emit(st, ren, out, sfx, labels)
+        out.append("}")
+        out.append("")
+
+    # Entry: a jump table on blockIdx.y picks one copy of the call sequence.
+    # The whole `{ .param ...; st.param ...; call ...; }` block is copied per
+    # target: ptxas lowers parameter passing per call site, so param stores
+    # shared by several calls are not seen by them (measured: garbage pointers).
+    entry = layout.entry_stmts
+    open_at, close_at = layout.entry_callseq
+    out.extend(layout.entry_head)
+    out.append("{")
+    out.extend(_render_plain(st) for st in entry[:open_at])
+    out.append("\t.reg .b32 %sc_kb;")
+    out.append("\tmov.u32 %sc_kb, %ctaid.y;")
+    out.append(f"\t$sc_targets: .branchtargets {', '.join(f'$sc_kb_{b}' for b in range(kblocks))};")
+    out.append("\tbrx.idx.uni %sc_kb, $sc_targets;")
+    call_re = re.compile(rf"\b{KBLOCK_FUNC}\b(?!_)")
+    for b in range(kblocks):
+        out.append(f"$sc_kb_{b}:")
+        for st in entry[open_at:close_at + 1]:
+            text = _render_plain(st)
+            if st is layout.entry_call:
+                text = call_re.sub(f"{KBLOCK_FUNC}_{b}", text, count=1)
+            out.append(text)
+        out.append("\tbra.uni $sc_done;")
+    out.append("$sc_done:")
+    out.extend(_render_plain(st) for st in entry[close_at + 1:])
+    out.append("}")
+    out.append("")
+
+    # Deleted FMAs must be exactly the zero weights (padding included) times
+    # the FMAs each weight feeds.
+    zeros = int(np.count_nonzero((bits & 0x7FFFFFFF) == 0))
+    if n_deleted != zeros * layout.fmas_per_weight:
+        raise SpecialiseError(f"deleted {n_deleted} FMAs but the weights have {zeros} zeros x "
+                              f"{layout.fmas_per_weight} FMAs each")
+    if n_fma != arranged.size * layout.fmas_per_weight:
+        raise SpecialiseError(f"visited {n_fma} placeholder FMAs, expected {arranged.size * layout.fmas_per_weight}")
+    text = "\n".join(out)
+    stats = SpecialiseStats(
+        kblocks=kblocks, chunks=chunks, weights=int(weight.size),
+        nonzero_weights=int(np.count_nonzero(weight)), fmas_per_weight=layout.fmas_per_weight,
+        fmas_before=n_fma, fmas_deleted=n_deleted, fmas_kept=n_fma - n_deleted, loads_dropped=n_loads_dropped,
+        ptx_lines_template=layout.ptx_lines, ptx_lines=text.count("\n") + 1)
+    return text, stats
