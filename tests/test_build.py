@@ -1,0 +1,93 @@
+"""CPU: the whole build pipeline with its cache (no GPU needed)."""
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from sparseconv.build import build_conv2d
+from sparseconv.cache import ArtifactCache
+from sparseconv.shapes import ConvShape, Tiling
+
+from reference import pruned_weight
+
+pytestmark = pytest.mark.nvcc
+
+SHAPE = ConvShape(5, 6, 9, 13, 3, 5, (2, 1), (0, 2))
+TILING = Tiling(3, 2, 4, 8, 1, 2)
+
+
+def weight(seed=0, sparsity=0.8):
+    return pruned_weight(np.random.default_rng(seed), SHAPE.weight_shape, sparsity)
+
+
+def test_second_build_is_a_cache_hit(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache, name="l1")
+    assert not a.stats["template_cache_hit"] and not a.stats["kernel_cache_hit"]
+    assert set(a.stats["seconds"]) == {"render", "compile", "specialise", "assemble"}
+    b = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache, name="l1")
+    assert b.stats["template_cache_hit"] and b.stats["kernel_cache_hit"]
+    assert b.artifact == a.artifact and b.ptx_sha256 == a.ptx_sha256
+    assert b.stats["fmas_deleted"] == a.stats["fmas_deleted"]
+    # Other weights of the same shape reuse the template, not the kernel.
+    c = build_conv2d(weight(seed=1), SHAPE, tiling=TILING, cache=cache)
+    assert c.stats["template_cache_hit"] and not c.stats["kernel_cache_hit"]
+    assert c.ptx_sha256 != a.ptx_sha256
+
+
+def test_specialised_artifacts_are_named_by_content_hash(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    assert cache.get("kernel", a.ptx_sha256, ".cubin") == a.artifact
+    import hashlib
+    ptx = cache.get_text("kernel", a.ptx_sha256, ".ptx")
+    assert hashlib.sha256(ptx.encode()).hexdigest() == a.ptx_sha256
+
+
+@pytest.mark.parametrize("victim", [".cubin", ".ptx-template"])
+def test_corrupted_cache_entries_are_rebuilt(tmp_path, victim):
+    cache = ArtifactCache(tmp_path)
+    a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    if victim == ".cubin":
+        path = cache.path_for("kernel", a.ptx_sha256, ".cubin")
+    else:
+        path = cache.path_for("template", a.stats["template_key"], ".ptx")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data[: len(data) - 7]))  # altered and truncated
+    b = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    assert b.artifact == a.artifact
+    if victim == ".cubin":
+        assert not b.stats["kernel_cache_hit"]
+    else:
+        assert not b.stats["template_cache_hit"]
+    assert cache.verify() == []
+
+
+def _build_in_child(root, queue):
+    try:
+        layer = build_conv2d(weight(), SHAPE, tiling=TILING, cache=ArtifactCache(root))
+        queue.put(layer.ptx_sha256)
+    except Exception as exc:  # pragma: no cover - reported to the parent
+        queue.put(f"error: {exc!r}")
+
+
+def test_two_processes_building_the_same_layer_both_succeed(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path), queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1] and not results[0].startswith("error")
+    assert ArtifactCache(tmp_path).verify() == []
+
+
+def test_bad_weight_names_the_layer(tmp_path):
+    with pytest.raises(ValueError, match="layer conv7: weight shape"):
+        build_conv2d(np.ones((2, 2, 2, 2), np.float32), SHAPE, tiling=TILING, cache=ArtifactCache(tmp_path),
+                     name="conv7")
+    assert ArtifactCache(tmp_path).entries() == []

@@ -1,0 +1,159 @@
+"""GPU tests: specialised kernels against a float64 reference on fresh random inputs.
+
+Outputs are poisoned with NaN before each run, so an element the kernel never
+writes fails the comparison."""
+import numpy as np
+import pytest
+
+import sparseconv
+from sparseconv.operators import benchmark_operators
+from sparseconv.shapes import Tiling
+
+from reference import conv2d_reference, pruned_weight, relative_l2
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-5
+
+
+def run_and_check(conv, w, bias, shape, batch, rng, stream=None):
+    import cupy as cp
+
+    x = cp.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32))
+    out = cp.full(conv.output_shape(batch), np.nan, dtype=cp.float32)
+    y = conv(x, out=out, stream=stream)
+    assert y is out
+    if stream is not None:
+        stream.synchronize()
+    ref = conv2d_reference(x, cp.asarray(w), None if bias is None else cp.asarray(bias), shape.stride,
+                           shape.padding, shape.dilation, shape.groups, xp=cp)
+    assert y.shape == ref.shape
+    assert not bool(cp.isnan(y).any()), "some outputs were never written (NaN poison left)"
+    err = relative_l2(y, ref, xp=cp)
+    assert err <= TOL, f"relative L2 error {err:.3g} > {TOL}"
+    return err
+
+
+OPERATORS = benchmark_operators()
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("op", OPERATORS, ids=[o.name for o in OPERATORS])
+def test_benchmark_layer(op, sparsity, session_cache_dir):
+    rng = np.random.default_rng()
+    s = op.shape
+    w = pruned_weight(rng, s.weight_shape, sparsity, zero_channels=1)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride,
+                                     padding=s.padding, cache_dir=str(session_cache_dir), name=op.name)
+    assert conv.stats["fmas_deleted"] >= (w.size - np.count_nonzero(w)) * conv.stats["fmas_per_weight"]
+    for batch in (1, 3):
+        run_and_check(conv, w, bias, s, batch, rng)
+
+
+ODD_LAYERS = {
+    # name: (C, K, H, W, R, S, stride, padding, dilation, groups, tiling or None)
+    "strided_rect": (3, 4, 5, 7, 3, 3, (2, 2), (1, 1), (1, 1), 1, None),
+    "stride_2x1_pad_0x2": (5, 6, 9, 13, 3, 5, (2, 1), (0, 2), (1, 1), 1, None),
+    "dilated": (8, 12, 17, 15, 3, 3, (1, 1), (2, 2), (2, 2), 1, None),
+    "dilated_asym": (4, 5, 12, 19, 3, 2, (1, 2), (3, 1), (2, 3), 1, None),
+    "grouped": (12, 18, 10, 10, 3, 3, (1, 1), (1, 1), (1, 1), 3, None),
+    "depthwise": (16, 16, 14, 14, 3, 3, (1, 1), (1, 1), (1, 1), 16, None),
+    "depthwise_mult2_stride2": (8, 16, 15, 15, 5, 5, (2, 2), (2, 2), (1, 1), 8, None),
+    "pointwise": (24, 40, 7, 9, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
+    "kernel_7x1": (6, 10, 11, 6, 7, 1, (1, 1), (3, 0), (1, 1), 1, None),
+    "k1_c1": (1, 1, 4, 4, 2, 2, (1, 1), (0, 0), (1, 1), 1, None),
+    "image_1x1": (7, 9, 1, 1, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
+    "kernel_wider_than_image": (3, 5, 3, 4, 3, 5, (1, 1), (1, 2), (1, 1), 1, None),
+    "odd_tiling_thread_h2": (10, 13, 19, 23, 3, 3, (1, 1), (1, 1), (1, 1), 1, Tiling(5, 3, 6, 12, 2, 3)),
+    "tiling_tile_bigger_than_image": (4, 6, 5, 5, 3, 3, (1, 1), (1, 1), (1, 1), 1, Tiling(3, 2, 8, 8, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.7, 0.95])
+@pytest.mark.parametrize("name", sorted(ODD_LAYERS))
+def test_odd_layer(name, sparsity, session_cache_dir):
+    rng = np.random.default_rng()
+    c, k, h, wd, r, s, stride, padding, dilation, groups, tiling = ODD_LAYERS[name]
+    w = pruned_weight(rng, (k, c // groups, r, s), sparsity, zero_channels=1 if k > 1 else 0)
+    bias = rng.standard_normal(k).astype(np.float32) if name != "k1_c1" else None
+    conv = sparseconv.compile_conv2d(w, input_size=(h, wd), bias=bias, stride=stride, padding=padding,
+                                     dilation=dilation, groups=groups, tiling=tiling,
+                                     cache_dir=str(session_cache_dir), name=name)
+    for batch in (1, 3):
+        run_and_check(conv, w, bias, conv.shape, batch, rng)
+
+
+def test_all_zero_weights_write_bias_or_zero(session_cache_dir):
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    w = np.zeros((6, 4, 3, 3), np.float32)
+    bias = rng.standard_normal(6).astype(np.float32)
+    for b in (None, bias):
+        conv = sparseconv.compile_conv2d(w, input_size=(9, 9), bias=b, padding=1, cache_dir=str(session_cache_dir))
+        assert conv.stats["fmas_kept"] == 0
+        x = cp.asarray(rng.standard_normal((2, 4, 9, 9)).astype(np.float32))
+        y = conv(x, out=cp.full((2, 6, 9, 9), np.nan, cp.float32))
+        want = np.zeros((2, 6, 9, 9), np.float32) + (0 if b is None else b[None, :, None, None])
+        np.testing.assert_array_equal(cp.asnumpy(y), want)
+
+
+def test_nonfinite_weights_match_reference(session_cache_dir):
+    """NaN/Inf weights are accepted and give what the reference gives (padding
+    zeros times NaN or Inf is NaN there too)."""
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, (4, 3, 3, 3), 0.5)
+    w[0, 0, 1, 1] = np.nan
+    w[1, 2, 0, 0] = np.inf
+    w[2, 1, 2, 2] = -np.inf
+    conv = sparseconv.compile_conv2d(w, input_size=(6, 7), padding=1, cache_dir=str(session_cache_dir))
+    x = cp.asarray(rng.standard_normal((2, 3, 6, 7)).astype(np.float32))
+    y = cp.asnumpy(conv(x))
+    ref = cp.asnumpy(conv2d_reference(x, cp.asarray(w), padding=(1, 1), xp=cp))
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    np.testing.assert_array_equal(np.isposinf(y), np.isposinf(ref))
+    np.testing.assert_array_equal(np.isneginf(y), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    assert finite.any() and (~finite).any()
+    assert relative_l2(y[finite], ref[finite]) <= TOL
+
+
+def test_large_batch_and_stream_and_torch(session_cache_dir):
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, (8, 4, 3, 3), 0.8)
+    conv = sparseconv.compile_conv2d(w, input_size=(8, 8), padding=1, cache_dir=str(session_cache_dir))
+    stream = cp.cuda.Stream(non_blocking=True)
+    run_and_check(conv, w, None, conv.shape, 70, rng, stream=stream)
+    torch = pytest.importorskip("torch")
+    xt = torch.randn(2, 4, 8, 8, device="cuda")
+    with torch.no_grad():
+        y = conv(xt, stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    ref = conv2d_reference(cp.asarray(xt), cp.asarray(w), padding=(1, 1), xp=cp)
+    assert relative_l2(y, ref, xp=cp) <= TOL
+
+
+def test_call_time_checks(session_cache_dir):
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, (4, 3, 3, 3), 0.5)
+    conv = sparseconv.compile_conv2d(w, input_size=(6, 6), cache_dir=str(session_cache_dir), name="check")
+    good = cp.asarray(rng.standard_normal((2, 3, 6, 6)).astype(np.float32))
+    with pytest.raises(TypeError, match="NumPy"):
+        conv(cp.asnumpy(good))
+    with pytest.raises(TypeError, match="float32"):
+        conv(good.astype(cp.float64))
+    with pytest.raises(ValueError, match=r"\(N, 3, 6, 6\)"):
+        conv(good[:, :2])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        conv(cp.asarray(rng.standard_normal((2, 3, 6, 12)).astype(np.float32))[:, :, :, ::2])
+    with pytest.raises(ValueError, match="out must be"):
+        conv(good, out=cp.empty((2, 4, 4, 5), cp.float32))
+    with pytest.raises(TypeError, match="stream"):
+        conv(good, stream="default")
+    assert conv(good[:0]).shape == (0, 4, 4, 4)

@@ -1,0 +1,117 @@
+"""CPU: execute specialised PTX in the PTX interpreter against a float64 reference.
+
+This is how CI, which has no GPU, checks the numbers of the specialisation pass:
+a renaming or weight-placement bug changes the result and fails here."""
+import functools
+
+import numpy as np
+import pytest
+
+from sparseconv import specialise as spec_mod
+from sparseconv.build import CompiledLayer
+from sparseconv.compile import compile_to_ptx
+from sparseconv.render import ENTRY_NAME, render
+from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_size
+from sparseconv.specialise import specialise
+
+from ptx_interpreter import PtxInterpreterError, run_kernel
+from reference import conv2d_reference, pruned_weight, relative_l2
+
+pytestmark = pytest.mark.nvcc
+
+LAYERS = {
+    # the issue's example: C=3, K=4, 5x7 input, stride 2, padding 1
+    "c3_k4_5x7_s2_p1": (ConvShape(3, 4, 5, 7, 3, 3, (2, 2), (1, 1)), None),
+    "blocks_and_chunks": (ConvShape(5, 7, 9, 13, 3, 5, (2, 1), (0, 2)), Tiling(3, 2, 4, 8, 1, 2)),
+    "dilated_thread_h2": (ConvShape(4, 5, 11, 10, 3, 3, (1, 1), (2, 1), (2, 1)), Tiling(2, 3, 4, 6, 2, 3)),
+    "grouped": (ConvShape(6, 9, 6, 7, 3, 3, (1, 1), (1, 1), groups=3), Tiling(2, 1, 6, 7, 1, 1)),
+    "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def template(name):
+    shape, tiling = LAYERS[name]
+    r = render(shape, tiling or default_tiling(shape))
+    return r, compile_to_ptx(r.source, Target(), name)
+
+
+def run_ptx(ptx, rendered, x, bias):
+    shape, t = rendered.shape, rendered.tiling
+    n = x.shape[0]
+    y = np.full((n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    tiles = -(-shape.out_h // t.tile_h) * -(-shape.out_w // t.tile_w)
+    ph, pw = patch_size(shape, t)
+    run_kernel(ptx, ENTRY_NAME, grid=(tiles, n_kblocks(shape, t), n), block=(t.threads, 1, 1),
+               args=[np.ascontiguousarray(x), y, bias, n_chunks(shape, t)],
+               dynamic_shared_bytes=t.c_block * ph * pw * 4)
+    return y
+
+
+def check(name, sparsity, rng, batch=2):
+    rendered, tptx = template(name)
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, sparsity, zero_channels=1)
+    w[-1] = 0.0  # a second all-zero output channel, at the end of the last block
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    ptx, stats = specialise(tptx, rendered, w)
+    y = run_ptx(ptx, rendered, x, bias)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    return y, ref, stats
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.8, 0.95])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_specialised_ptx_computes_the_convolution(name, sparsity):
+    y, ref, stats = check(name, sparsity, np.random.default_rng())
+    assert not np.isnan(y).any(), "outputs left unwritten"
+    assert relative_l2(y, ref) <= 1e-5
+    assert stats.fmas_deleted > 0
+
+
+def test_zero_weight_channels_write_their_bias():
+    rng = np.random.default_rng()
+    y, ref, _ = check("blocks_and_chunks", 0.9, rng)
+    np.testing.assert_array_equal(y[:, 0], ref[:, 0].astype(np.float32))
+    np.testing.assert_array_equal(y[:, -1], ref[:, -1].astype(np.float32))
+
+
+def test_a_renaming_bug_is_caught(monkeypatch):
+    """Mutation check: if deleted FMAs forgot to alias their destination to the
+    accumulator, the result must change (or the interpreter must refuse to read
+    a register nothing wrote)."""
+    monkeypatch.setattr(spec_mod._Renamer, "set_alias", lambda self, d, src, out: self.before_write(d, False, out))
+    with pytest.raises((AssertionError, PtxInterpreterError)):
+        y, ref, _ = check("blocks_and_chunks", 0.6, np.random.default_rng())
+        assert not np.isnan(y).any() and relative_l2(y, ref) <= 1e-5
+
+
+def test_renamer_materialises_an_alias_before_its_source_changes():
+    """d aliases c; then c is overwritten while d is still read later: the
+    renamer must copy c into d first, and reads of d must not see the new c."""
+    body = [spec_mod.Stmt("instr", "add.f32 %f2, %f2, %f9", 1, "", "add.f32", "%f2", "%f2, %f9"),
+            spec_mod.Stmt("instr", "st.f32 [%rd1], %f1", 2, "", "st.global.f32", "", "[%rd1], %f1")]
+    live = spec_mod._body_liveness(body, [])
+    ren = spec_mod._Renamer({"%f": "f32"}, live)
+    out = []
+    ren.set_alias("%f1", "%f2", out)      # a deleted FMA: %f1 = %f2
+    ren.pos = 0                           # %f2 is overwritten, %f1 is read at position 1
+    spec_mod._emit(body[0], ren, out, "", set())
+    ren.pos = 1
+    spec_mod._emit(body[1], ren, out, "", set())
+    assert out == ["\tmov.f32 %f1, %f2;", "\tadd.f32 %f2, %f2, %f9;", "\tst.global.f32 [%rd1], %f1;"]
+    # Without a later read no mov is needed.
+    ren2, out2 = spec_mod._Renamer({"%f": "f32"}, spec_mod._body_liveness(body[:1], [])), []
+    ren2.set_alias("%f1", "%f2", out2)
+    ren2.pos = 0
+    spec_mod._emit(body[0], ren2, out2, "", set())
+    assert out2 == ["\tadd.f32 %f2, %f2, %f9;"]
+
+
+def test_a_weight_placement_bug_is_caught(monkeypatch):
+    """Mutation check: weights placed in the wrong chunk change the result."""
+    real = spec_mod.arrange_weights
+    monkeypatch.setattr(spec_mod, "arrange_weights", lambda w, s, t: np.roll(real(w, s, t), 1, axis=1))
+    y, ref, _ = check("blocks_and_chunks", 0.5, np.random.default_rng())
+    assert relative_l2(y, ref) > 1e-3

@@ -1,0 +1,96 @@
+"""CPU: layer shapes, tilings, placeholders and template rendering."""
+import struct
+
+import numpy as np
+import pytest
+
+from sparseconv.render import placeholder_bits, placeholder_value, render
+from sparseconv.shapes import ConvShape, Tiling, check_tiling, default_tiling, pair
+
+
+def test_pair_accepts_int_or_pair_only():
+    assert pair(3, "stride") == (3, 3)
+    assert pair((1, 2), "stride") == (1, 2)
+    for bad in ("1", 1.5, (1, 2, 3), True, (1, "2")):
+        with pytest.raises(TypeError, match="stride"):
+            pair(bad, "stride")
+
+
+def test_conv_shape_output_size_matches_torch_formula():
+    s = ConvShape(3, 8, 224, 224, 11, 11, (4, 4), (2, 2))
+    assert (s.out_h, s.out_w) == (55, 55)
+    s = ConvShape(4, 6, 12, 19, 3, 2, (1, 2), (3, 1), (2, 3))
+    assert (s.out_h, s.out_w) == ((12 + 6 - 4 - 1) // 1 + 1, (19 + 2 - 3 - 1) // 2 + 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(in_channels=6, out_channels=4, groups=4), "divisible by groups"),
+    (dict(in_channels=0, out_channels=4), "in_channels"),
+    (dict(in_channels=3, out_channels=4, stride=(0, 1)), "stride"),
+    (dict(in_channels=3, out_channels=4, padding=(-1, 0)), "padding"),
+    (dict(in_channels=3, out_channels=4, in_h=2, kernel_h=5), "output would be empty"),
+])
+def test_conv_shape_rejects_bad_layers(kwargs, message):
+    base = dict(in_h=8, in_w=8, kernel_h=3, kernel_w=3)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        ConvShape(**base)
+
+
+SHAPES = [
+    ConvShape(1, 20, 28, 28, 5, 5),
+    ConvShape(3, 64, 224, 224, 11, 11, (4, 4), (2, 2)),
+    ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)),
+    ConvShape(64, 64, 56, 56, 1, 1),
+    ConvShape(32, 32, 112, 112, 3, 3, (2, 2), (1, 1), groups=32),
+    ConvShape(7, 9, 1, 1, 1, 1),
+    ConvShape(2048, 512, 7, 7, 1, 1),
+    ConvShape(3, 5, 3, 400, 3, 7, (1, 3), (0, 3), (1, 2)),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.describe())
+def test_default_tiling_is_valid_and_bounded(shape):
+    t = default_tiling(shape)
+    check_tiling(shape, t)
+    assert 1 <= t.threads <= 1024
+    assert t.k_block * t.c_block * shape.kernel_h * shape.kernel_w <= 1024
+
+
+def test_tiling_validation():
+    with pytest.raises(ValueError, match="multiple"):
+        Tiling(8, 1, 5, 8, 2, 4)
+    with pytest.raises(ValueError, match="1024"):
+        Tiling(8, 1, 64, 64, 1, 1)
+    with pytest.raises(ValueError, match="shared memory"):
+        check_tiling(ConvShape(64, 64, 224, 224, 3, 3), Tiling(8, 16, 32, 64, 1, 4))
+    with pytest.raises(ValueError, match="k_block"):
+        check_tiling(ConvShape(4, 4, 8, 8, 3, 3), Tiling(8, 1, 4, 4))
+
+
+def test_placeholders_are_unique_nonzero_and_not_special():
+    n = 1 << 17
+    bits = np.array([placeholder_bits(i) for i in range(n)], dtype=np.uint32)
+    assert len(np.unique(bits)) == n
+    vals = bits.view(np.float32)
+    assert np.all(vals >= 1.0) and np.all(vals < 2.0)
+    mantissa = bits & 0x7FFFFF
+    assert np.all(mantissa != 0)          # no power of two (1.0 included)
+    assert not np.any(np.isin(vals, [0.0, 0.5, 1.0, 2.0, -1.0, -2.0]))
+    assert placeholder_value(5) == struct.unpack("<f", struct.pack("<I", placeholder_bits(5)))[0]
+    with pytest.raises(ValueError):
+        placeholder_bits(-1)
+    with pytest.raises(ValueError):
+        placeholder_bits((1 << 23) - 1)
+
+
+def test_render_puts_each_placeholder_once():
+    shape = ConvShape(5, 6, 9, 13, 3, 5, (2, 1), (0, 2))
+    t = Tiling(3, 2, 4, 8, 1, 2)
+    r = render(shape, t)
+    assert len(r.placeholders) == 3 * 2 * 3 * 5
+    for bits in r.placeholders:
+        assert r.source.count(f"0x{bits:08X}") == 1
+    assert sorted(r.placeholders.values()) == sorted(
+        (kb, cb, i, j) for kb in range(3) for cb in range(2) for i in range(3) for j in range(5))
+    assert "#pragma unroll 1" in r.source

@@ -1,0 +1,184 @@
+"""CPU: the specialisation pass on real nvcc-compiled template PTX, and ptxas on its output."""
+import functools
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from sparseconv.assemble import assemble_cubin, split_module
+from sparseconv.compile import compile_to_ptx
+from sparseconv.operators import benchmark_operators
+from sparseconv.render import render
+from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling
+from sparseconv.specialise import SpecialiseError, analyse_template, specialise
+
+from reference import pruned_weight
+
+pytestmark = pytest.mark.nvcc
+
+LAYERS = {
+    "strided_rect": (ConvShape(3, 4, 5, 7, 3, 3, (2, 2), (1, 1)), None),
+    "multi_block_multi_chunk": (ConvShape(5, 6, 9, 13, 3, 5, (2, 1), (0, 2)), Tiling(3, 2, 4, 8, 1, 2)),
+    "dilated": (ConvShape(8, 12, 17, 15, 3, 3, (1, 1), (2, 2), (2, 2)), Tiling(4, 3, 8, 8, 1, 4)),
+    "grouped": (ConvShape(12, 18, 10, 10, 3, 3, (1, 1), (1, 1), groups=3), None),
+    "depthwise": (ConvShape(16, 16, 14, 14, 3, 3, (1, 1), (1, 1), groups=16), None),
+    "pointwise": (ConvShape(24, 40, 7, 9, 1, 1), Tiling(8, 5, 7, 9, 1, 3)),
+    "thread_h2": (ConvShape(10, 13, 19, 23, 3, 3, (1, 1), (1, 1)), Tiling(5, 3, 6, 12, 2, 3)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def template(name):
+    shape, tiling = LAYERS[name]
+    r = render(shape, tiling or default_tiling(shape))
+    return r, compile_to_ptx(r.source, Target(), name)
+
+
+def f32_hex(v):
+    return "0f%08X" % np.float32(v).view(np.uint32)
+
+
+def fma_weights(ptx):
+    """Multiset of the weight immediates of the FMAs in specialised PTX."""
+    return Counter(re.findall(r"fma\.rn\.f32 [^,]+, [^,]+, (0f[0-9A-F]{8}),", ptx))
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.6, 0.95, 1.0])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_pass_deletes_exactly_the_zero_weight_fmas(name, sparsity):
+    rendered, tptx = template(name)
+    shape = rendered.shape
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, shape.weight_shape, sparsity, zero_channels=1)
+    ptx, stats = specialise(tptx, rendered, w)
+    mult = rendered.tiling.thread_h * rendered.tiling.thread_w
+    nnz = int(np.count_nonzero(w))
+    assert stats.fmas_per_weight == mult
+    assert stats.fmas_kept == nnz * mult
+    assert stats.fmas_before == stats.kblocks * stats.chunks * rendered.tiling.k_block * \
+        rendered.tiling.c_block * shape.kernel_h * shape.kernel_w * mult
+    assert stats.fmas_deleted == stats.fmas_before - nnz * mult
+    # Every surviving FMA carries a real nonzero weight, each exactly `mult` times.
+    want = Counter({f32_hex(v): 0 for v in w[w != 0]})
+    for v in w[w != 0]:
+        want[f32_hex(v)] += mult
+    assert fma_weights(ptx) == want
+    assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == nnz * mult
+    # No placeholder survives, anywhere.
+    for bits in rendered.placeholders:
+        assert f"0f{bits:08X}" not in ptx.upper().replace("0F", "0f")
+    # One function per output-channel block, and the jump table names them all.
+    assert len(re.findall(r"^\.func sc_kblock_\d+\(", ptx, re.M)) == stats.kblocks
+    assert ptx.count("call.uni sc_kblock_") == stats.kblocks
+    cubin = assemble_cubin(ptx, Target(), name)
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_stores_survive_when_every_weight_is_zero():
+    rendered, tptx = template("multi_block_multi_chunk")
+    w = np.zeros(rendered.shape.weight_shape, np.float32)
+    ptx, stats = specialise(tptx, rendered, w)
+    assert stats.fmas_kept == 0
+    stores_template = len(re.findall(r"\bst\.global\.f32\b", tptx))
+    assert len(re.findall(r"\bst\.global\.f32\b", ptx)) == stores_template * stats.kblocks
+    assert_valid_ptx(ptx)
+
+
+def assert_valid_ptx(ptx):
+    assert assemble_cubin(ptx, Target(), "test")[:4] == b"\x7fELF"
+
+
+def to_immediate_form(tptx):
+    """Rewrite NVVM's `mov.f32 %fA, 0fP` + `fma ... %fA ...` into `fma ... 0fP ...`."""
+    movs = dict(re.findall(r"mov\.f32\s+(%f\d+),\s+(0f3F[0-9A-F]{6});", tptx))
+    lines = []
+    for line in tptx.splitlines():
+        m = re.match(r"\s*mov\.f32\s+(%f\d+),\s+0f3F[0-9A-F]{6};", line)
+        if m and m.group(1) in movs:
+            continue
+        if "fma.rn.f32" in line:
+            line = re.sub(r"%f\d+", lambda mm: movs.get(mm.group(0), mm.group(0)), line)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def test_immediate_form_gives_the_same_kernel():
+    rendered, tptx = template("multi_block_multi_chunk")
+    imm = to_immediate_form(tptx)
+    assert imm.count("mov.f32") < tptx.count("mov.f32")
+    assert re.search(r"fma\.rn\.f32 [^;]*0f3F", imm)
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.7)
+    a, sa = specialise(tptx, rendered, w)
+    b, sb = specialise(imm, rendered, w)
+    assert sa.fmas_kept == sb.fmas_kept and sa.fmas_deleted == sb.fmas_deleted
+    assert fma_weights(a) == fma_weights(b)
+    assert_valid_ptx(b)
+
+
+def test_repeated_placeholder_mov_is_accepted():
+    """NVVM may materialise the same placeholder twice; both movs are dropped."""
+    rendered, tptx = template("strided_rect")
+    m = re.search(r"^(\s*mov\.f32\s+(%f\d+),\s+0f3F[0-9A-F]{6};)$", tptx, re.M)
+    doubled = tptx.replace(m.group(1), m.group(1) + "\n" + m.group(1), 1)
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
+    a, _ = specialise(tptx, rendered, w)
+    b, _ = specialise(doubled, rendered, w)
+    assert fma_weights(a) == fma_weights(b)
+
+
+def test_nonfinite_weights_become_immediates():
+    rendered, tptx = template("strided_rect")
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
+    w[0, 0, 0, 0], w[1, 1, 1, 1], w[2, 2, 2, 2] = np.nan, np.inf, -np.inf
+    ptx, _ = specialise(tptx, rendered, w)
+    for v in (np.nan, np.inf, -np.inf):
+        assert f32_hex(v) in ptx
+    assert_valid_ptx(ptx)
+
+
+def first_placeholder_fma(tptx):
+    return re.search(r"^\s*fma\.rn\.f32[^\n]*$", tptx, re.M).group(0)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda t: t.replace(first_placeholder_fma(t), "", 1), "counts do not add up"),
+    (lambda t: t.replace(first_placeholder_fma(t), first_placeholder_fma(t) + "\n" + first_placeholder_fma(t), 1),
+     "counts do not add up"),
+    (lambda t: t.replace(first_placeholder_fma(t), first_placeholder_fma(t).replace("fma.rn.f32", "add.f32")
+                         .rsplit(",", 1)[0] + ";", 1), "placeholder used by add.f32"),
+    (lambda t: t.replace('.pragma "nounroll";', "", 1), "nounroll"),
+    (lambda t: re.sub(r"0f3F[0-9A-F]{6}", "0f3F800000", t), "no placeholder FMA"),
+    (lambda t: t.replace("call.uni", "// call.uni", 1), "call"),
+])
+def test_broken_invariants_raise(tamper, message):
+    rendered, tptx = template("multi_block_multi_chunk")
+    broken = tamper(tptx)
+    assert broken != tptx
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
+    with pytest.raises(SpecialiseError, match=message):
+        specialise(broken, rendered, w)
+
+
+def test_wrong_weight_shape_is_rejected():
+    rendered, tptx = template("strided_rect")
+    with pytest.raises(ValueError, match="weight shape"):
+        specialise(tptx, rendered, np.ones((4, 3, 3, 2), np.float32))
+
+
+def test_split_module_compiles_separately_and_links():
+    rendered, tptx = template("depthwise")
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
+    ptx, stats = specialise(tptx, rendered, w)
+    pieces = split_module(ptx)
+    assert len(pieces) == stats.kblocks + 1
+    assert all(".visible .func sc_kblock_" in p for p in pieces[:-1])
+    assert pieces[-1].count(".extern .func sc_kblock_") == stats.kblocks
+    assert assemble_cubin(ptx, Target(), "depthwise")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("op", benchmark_operators(), ids=lambda o: o.name)
+def test_benchmark_layer_templates_compile_and_analyse(op):
+    r = render(op.shape, default_tiling(op.shape))
+    layout = analyse_template(compile_to_ptx(r.source, Target(), op.name), r)
+    assert layout.fmas_per_weight == default_tiling(op.shape).thread_w
