@@ -123,7 +123,11 @@ class Conv2dKernel:
             if not isinstance(ptr, int):
                 raise TypeError(f"{self.layer.name}: stream must be a cupy.cuda.Stream or torch.cuda.Stream, "
                                 f"got {type(stream).__name__}")
-            stream = cupy.cuda.ExternalStream(ptr, self.device_id)
+            from_external = getattr(cupy.cuda.Stream, "from_external", None)
+            if from_external is not None and hasattr(stream, "__cuda_stream__"):
+                stream = from_external(stream)
+            else:
+                stream = cupy.cuda.ExternalStream(ptr, self.device_id)
         with (stream if stream is not None else cupy.cuda.get_current_stream()):
             self._launch(x, out)
         return out
