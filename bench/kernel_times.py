@@ -38,6 +38,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--model", choices=["vgg16", "resnet50"], default=None,
+                   help="time this model's conv layers instead of the benchmark layers")
+    p.add_argument("--kernel-size", type=int, default=None, help="only layers with this R (e.g. 3)")
+    p.add_argument("--unique", action="store_true", help="time each distinct layer shape once")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     try:
@@ -47,7 +51,18 @@ def main() -> None:
     rng = np.random.default_rng(0)
     cache = tempfile.mkdtemp(prefix="sparseconv-bench-")
     rows = []
-    for op in benchmark_operators():
+    if a.model:
+        from sparseconv.operators import Operator
+        from sparseconv.zoo import model_layers
+        ops = [Operator(n, sh) for n, sh in model_layers(a.model)]
+    else:
+        ops = benchmark_operators()
+    if a.kernel_size:
+        ops = [o for o in ops if o.shape.kernel_h == a.kernel_size]
+    if a.unique:
+        seen = set()
+        ops = [o for o in ops if not (o.shape in seen or seen.add(o.shape))]
+    for op in ops:
         s = op.shape
         w = pruned_weight(rng, s.weight_shape, a.sparsity)
         conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), stride=s.stride, padding=s.padding,

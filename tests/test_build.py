@@ -91,3 +91,22 @@ def test_bad_weight_names_the_layer(tmp_path):
         build_conv2d(np.ones((2, 2, 2, 2), np.float32), SHAPE, tiling=TILING, cache=ArtifactCache(tmp_path),
                      name="conv7")
     assert ArtifactCache(tmp_path).entries() == []
+
+
+def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
+    from sparseconv.batch import LayerJob, build_many
+
+    rng = np.random.default_rng(3)
+    shapes = [ConvShape(4, 6, 7, 7, 3, 3, (1, 1), (1, 1)), ConvShape(8, 4, 6, 5, 1, 1), SHAPE]
+    jobs = [LayerJob(f"l{i}", pruned_weight(rng, s.weight_shape, 0.7), s) for i, s in enumerate(shapes)]
+    built = build_many(jobs, cache_dir=str(tmp_path), workers=2, progress=False)
+    assert list(built) == ["l0", "l1", "l2"]
+    for job in jobs:
+        layer = built[job.name]
+        assert layer.shape == job.shape and layer.name == job.name
+        assert layer.stats["wall_s"] > 0 and not layer.stats["kernel_cache_hit"]
+        assert layer.stats["nonzero_weights"] == np.count_nonzero(job.weight)
+    again = build_many(jobs, cache_dir=str(tmp_path), workers=2, progress=False)
+    assert all(layer.stats["kernel_cache_hit"] for layer in again.values())
+    with pytest.raises(ValueError, match="unique"):
+        build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)

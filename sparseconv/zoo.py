@@ -1,0 +1,45 @@
+"""Conv layer shapes of VGG-16 and ResNet-50 (torchvision, ImageNet 224x224 input).
+
+Only shapes live here; models/make_pruned_zoo.py makes pruned weights for them."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from .shapes import ConvShape
+
+
+def vgg16() -> List[Tuple[str, ConvShape]]:
+    plan = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
+            (256, 256, 56), (256, 512, 28), (512, 512, 28), (512, 512, 28), (512, 512, 14), (512, 512, 14),
+            (512, 512, 14)]
+    names = ["conv1_1", "conv1_2", "conv2_1", "conv2_2", "conv3_1", "conv3_2", "conv3_3", "conv4_1", "conv4_2",
+             "conv4_3", "conv5_1", "conv5_2", "conv5_3"]
+    return [(n, ConvShape(c, k, h, h, 3, 3, (1, 1), (1, 1))) for n, (c, k, h) in zip(names, plan)]
+
+
+def resnet50() -> List[Tuple[str, ConvShape]]:
+    """53 convs: the stem, then per bottleneck 1x1 -> 3x3 (stride here, v1.5) -> 1x1, plus one
+    1x1 downsample in the first block of each stage."""
+    layers = [("conv1", ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3)))]
+    c_in, size = 64, 56
+    for stage, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+        for b in range(blocks):
+            s = stride if b == 0 else 1
+            out = size // s
+            p = f"layer{stage}.{b}"
+            layers.append((f"{p}.conv1", ConvShape(c_in, width, size, size, 1, 1)))
+            layers.append((f"{p}.conv2", ConvShape(width, width, size, size, 3, 3, (s, s), (1, 1))))
+            layers.append((f"{p}.conv3", ConvShape(width, 4 * width, out, out, 1, 1)))
+            if b == 0:
+                layers.append((f"{p}.downsample", ConvShape(c_in, 4 * width, size, size, 1, 1, (s, s))))
+            c_in, size = 4 * width, out
+    return layers
+
+
+MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50}
+
+
+def model_layers(name: str) -> List[Tuple[str, ConvShape]]:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name]()  # type: ignore[operator]

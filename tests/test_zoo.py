@@ -1,0 +1,34 @@
+"""CPU: model layer specs and the pruned-weight generator."""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sparseconv.zoo import model_layers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+from make_pruned_layer import magnitude_prune  # noqa: E402
+
+
+def test_vgg16_has_13_convs_ending_at_14x14():
+    layers = model_layers("vgg16")
+    assert len(layers) == 13
+    assert sum(s.out_channels * s.c_per_group * 9 for _, s in layers) == 14_710_464  # VGG-16 conv weights
+    assert layers[-1][1].out_h == 14 and layers[0][1].in_channels == 3
+
+
+def test_resnet50_has_53_convs_with_torchvision_shapes():
+    layers = dict(model_layers("resnet50"))
+    assert len(layers) == 53
+    total = sum(s.out_channels * s.c_per_group * s.kernel_h * s.kernel_w for s in layers.values())
+    assert total == 23_454_912  # ResNet-50 conv weights (torchvision), fc excluded
+    assert layers["layer4.2.conv3"].out_h == 7 and layers["layer4.2.conv3"].out_channels == 2048
+    assert layers["layer2.0.conv2"].stride == (2, 2) and layers["layer2.0.downsample"].out_h == 28
+
+
+def test_magnitude_prune_zeroes_the_smallest():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    p = magnitude_prune(w, 0.9)
+    assert abs(np.mean(p == 0) - 0.9) < 0.01
+    assert np.abs(p[p != 0]).min() >= np.abs(w[p == 0]).max()
