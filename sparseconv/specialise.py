@@ -62,6 +62,7 @@ class SpecialiseStats:
     fmas_kept: int
     loads_dropped: int         # shared loads that fed only deleted FMAs
     ptx_lines_template: int
+    ptx_lines_visited: int     # template statements the pass walked (its input, copies counted)
     ptx_lines: int
 
     def as_dict(self) -> dict:
@@ -370,6 +371,13 @@ class _Renamer:
             if predicated:
                 out.append(self.mov(reg, src))
 
+    def end_of_copy(self) -> None:
+        """Aliases of registers the next copy and the epilogue never read before
+        writing them are dead: drop them, so later writes need not check them."""
+        live_out = self.liveness.live_out
+        for d in [d for d in self.alias if d not in live_out]:
+            self.aliased_by[self.alias.pop(d)].discard(d)
+
     def set_alias(self, d: str, src: str, out: List[str]) -> None:
         self.before_write(d, False, out)
         if src != d:
@@ -399,10 +407,6 @@ def _render_plain(st: Stmt) -> str:
     return st.render() if st.kind == "instr" else st.text
 
 
-def _f32(bits: int) -> str:
-    return f"0f{bits:08X}"
-
-
 def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray,
                layout: Optional[TemplateLayout] = None) -> Tuple[str, SpecialiseStats]:
     """The layer's PTX and what the pass did. `weight` is (K, C/groups, R, S) float32."""
@@ -417,10 +421,11 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     kblocks, chunks, _ = arranged.shape
     labels = layout.labels
     out: List[str] = list(layout.header)
-    n_fma = n_deleted = n_loads_dropped = 0
+    n_fma = n_deleted = n_loads_dropped = n_visited = 0
 
     for b in range(kblocks):
         ren = _Renamer(layout.reg_types, layout.liveness)
+        alias, aliased_by = ren.alias, ren.aliased_by
         head = list(layout.func_head)
         head[0] = re.sub(rf"\b{KBLOCK_FUNC}\(", f"{KBLOCK_FUNC}_{b}(", head[0], count=1)
         out.extend(head)
@@ -444,20 +449,31 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
                     continue
                 n_fma += 1
                 wb = w_bits[item.index]
-                acc = ren.alias.get(item.acc, item.acc)
+                acc = alias.get(item.acc, item.acc)
+                d = item.dest
+                # Fast path: d is neither an alias nor the source of one.
+                clean = d not in alias and not aliased_by.get(d) and not item.pred
                 if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
                     n_deleted += 1
-                    if item.pred or not acc.startswith("%"):
-                        ren.before_write(item.dest, bool(item.pred), out)
-                        out.append(ren.mov(item.dest, acc, ren.rename(item.pred)))
+                    if item.pred or acc[0] != "%":
+                        ren.before_write(d, bool(item.pred), out)
+                        out.append(ren.mov(d, acc, ren.rename(item.pred)))
+                    elif clean and acc != d:
+                        alias[d] = acc
+                        aliased_by[acc].add(d)
                     else:
-                        ren.set_alias(item.dest, acc, out)
+                        ren.set_alias(d, acc, out)
                     continue
-                x = ren.alias.get(item.input, item.input)
-                pred = ren.rename(item.pred) if item.pred else ""
-                ren.before_write(item.dest, bool(pred), out)
-                out.append(f"\t{pred}{item.opcode} {item.dest}, {x}, {_f32(wb)}, {acc};")
+                x = alias.get(item.input, item.input)
+                pred = ""
+                if not clean:
+                    pred = ren.rename(item.pred) if item.pred else ""
+                    ren.before_write(d, bool(pred), out)
+                out.append(f"\t{pred}{item.opcode} {d}, {x}, 0f{wb:08X}, {acc};")
+            ren.end_of_copy()
+            n_visited += len(layout.loop_body)
         ren.pos = None
+        n_visited += len(layout.prologue) + len(layout.epilogue)
         for st in layout.epilogue:
             _emit(st, ren, out, sfx, labels)
         out.append("}")
@@ -503,5 +519,5 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
         kblocks=kblocks, chunks=chunks, weights=int(weight.size),
         nonzero_weights=int(np.count_nonzero(weight)), fmas_per_weight=layout.fmas_per_weight,
         fmas_before=n_fma, fmas_deleted=n_deleted, fmas_kept=n_fma - n_deleted, loads_dropped=n_loads_dropped,
-        ptx_lines_template=layout.ptx_lines, ptx_lines=text.count("\n") + 1)
+        ptx_lines_template=layout.ptx_lines, ptx_lines_visited=n_visited, ptx_lines=text.count("\n") + 1)
     return text, stats
