@@ -55,8 +55,7 @@ def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = No
         nvlink = None
     with tempfile.TemporaryDirectory(prefix="sparseconv-") as tmp:
         cubin = Path(tmp) / "layer.cubin"
-        separate = nvlink is not None and os.environ.get("SPARSECONV_SEPARATE_COMPILE", "1") != "0"
-        pieces = split_module(ptx) if separate else [ptx]
+        pieces = split_module(ptx) if nvlink is not None else [ptx]
         if len(pieces) <= 2:  # one function and its entry: nothing to gain
             src = Path(tmp) / "layer.ptx"
             src.write_text(ptx)

@@ -213,9 +213,12 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
                 if prev is not None and prev != bits_to_index[bits]:
                     raise SpecialiseError(f"register {st.dest} holds two placeholders", st.line, st.text)
                 ph_reg[st.dest] = bits_to_index[bits]
+    ph_movs: Dict[str, int] = defaultdict(int)
+    for st in stmts:
+        if st.kind == "instr" and st.dest in ph_reg and st.opcode in ("mov.f32", "mov.b32"):
+            ph_movs[st.dest] += 1
     for reg in ph_reg:
-        movs = sum(1 for st in stmts if st.kind == "instr" and st.dest == reg and st.opcode in ("mov.f32", "mov.b32"))
-        if defs[reg] != movs:
+        if defs[reg] != ph_movs[reg]:
             raise SpecialiseError(f"placeholder register {reg} is also written by other instructions")
 
     def placeholder_fma(st: Stmt) -> Optional[_Fma]:
@@ -259,7 +262,10 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
     inner_labels = {st.text[:-1] for st in stmts[start + 1:end] if st.kind == "label"}
     for i, st in enumerate(stmts):
         tgt = _branch_target(st)
-        if st.kind == "instr" and st.base_opcode in ("brx", "ret", "exit") and start < i < end:
+        if st.kind == "instr" and st.base_opcode == "brx":  # its targets would need renaming per copy
+            raise SpecialiseError(f"{st.opcode} in {KBLOCK_FUNC}: indirect branches are not supported",
+                                  st.line, st.text)
+        if st.kind == "instr" and st.base_opcode in ("ret", "exit") and start < i < end:
             raise SpecialiseError(f"{st.opcode} inside the chunk loop", st.line, st.text)
         if tgt is None or i == end:
             continue
