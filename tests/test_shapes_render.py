@@ -54,7 +54,7 @@ def test_default_tiling_is_valid_and_bounded(shape):
     t = default_tiling(shape)
     check_tiling(shape, t)
     assert 1 <= t.threads <= 1024
-    assert t.k_block * t.c_block * shape.kernel_h * shape.kernel_w <= 1024
+    assert t.k_block * t.c_block * shape.kernel_h * shape.kernel_w <= 2304
 
 
 def test_tiling_validation():
