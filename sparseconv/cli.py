@@ -3,10 +3,14 @@
 Exit codes: 0 success, 2 bad input (with a one-line reason on stderr)."""
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import click
 import numpy as np
@@ -15,6 +19,7 @@ from .build import build_conv2d
 from .cache import ArtifactCache, CacheError
 from .compile import CompileError, ToolNotFoundError
 from .kernel import shape_from_weight
+from .model import FORMATS, ConvLayer, ModelError, PrunedModel, load_model, slug
 from .shapes import Target
 
 
@@ -100,6 +105,169 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
                f"cubin {s['artifact_bytes']} bytes")
     click.echo("  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in secs.items())
                + f"; cache hit: template {s['template_cache_hit']}, kernel {s['kernel_cache_hit']}")
+
+
+model_argument = click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+format_option = click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+                             help="Model format (default: from the extension or the first bytes).")
+spec_option = click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                           help="Layer spec JSON for .npz models without a __spec__ entry.")
+input_size_option = click.option("--input-size", default=None,
+                                 help="Input H x W when the model does not fix it, e.g. 224 or 224x224.")
+layers_option = click.option("--layers", "layer_glob", default="*", show_default=True,
+                             help="Only layers whose name matches this glob.")
+min_sparsity_option = click.option("--min-sparsity", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                                   help="Skip layers less sparse than this (they are better left to cuDNN).")
+
+
+def _load(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str]) -> PrunedModel:
+    try:
+        return load_model(model, fmt, spec_path, _size(input_size, "--input-size") if input_size else None)
+    except ModelError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _select(m: PrunedModel, layer_glob: str, min_sparsity: float) -> Tuple[List[ConvLayer], dict]:
+    """The layers to compile, and why each other layer is skipped."""
+    chosen, skipped = [], {}
+    for layer in m.layers:
+        if not fnmatch.fnmatchcase(layer.name, layer_glob):
+            skipped[layer.name] = f"does not match --layers {layer_glob}"
+        elif layer.sparsity < min_sparsity:
+            skipped[layer.name] = f"sparsity {layer.sparsity:.2f} < --min-sparsity {min_sparsity}"
+        else:
+            chosen.append(layer)
+    return chosen, skipped
+
+
+def _describe(layer: ConvLayer) -> str:
+    s = layer.shape
+    extra = "".join([f" s{s.stride[0]}" if s.stride != (1, 1) else "", f" g{s.groups}" if s.groups > 1 else "",
+                     f" d{s.dilation[0]}" if s.dilation != (1, 1) else ""])
+    return f"{s.in_channels}->{s.out_channels} {s.kernel_h}x{s.kernel_w} @{s.in_h}x{s.in_w}{extra}"
+
+
+@main.command()
+@model_argument
+@format_option
+@spec_option
+@input_size_option
+@layers_option
+@min_sparsity_option
+def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str], layer_glob: str,
+            min_sparsity: float) -> None:
+    """List a model's conv layers, their sparsity, and what `compile` would build.
+
+    Example: sparseconv inspect models/vgg16_pruned.npz --min-sparsity 0.5
+    """
+    m = _load(model, fmt, spec_path, input_size)
+    chosen, skipped = _select(m, layer_glob, min_sparsity)
+    click.echo(f"{m.path} ({m.format}): {len(m.layers)} conv layers, {len(chosen)} to compile")
+    click.echo(f"{'layer':32s} {'shape':34s} {'sparsity':>8s} {'nonzero':>10s}  action")
+    for layer in m.layers:
+        action = "compile" if layer.name not in skipped else "skip: " + skipped[layer.name]
+        click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
+                   f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")
+
+
+@main.command()
+@model_argument
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output folder (default: <model>_sparseconv next to the model).")
+@format_option
+@spec_option
+@input_size_option
+@layers_option
+@min_sparsity_option
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel layer builds (default: CPU count).")
+@click.option("--target", default="sm_90", show_default=True, help="GPU architecture to build for.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf weights (refused by default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON instead of a table.")
+def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: Optional[Path],
+            input_size: Optional[str], layer_glob: str, min_sparsity: float, jobs: Optional[int], target: str,
+            cache_dir: Optional[Path], allow_nonfinite: bool, as_json: bool) -> None:
+    """Compile a pruned model's conv layers into specialised kernels.
+
+    Writes one .ptx and one .cubin per layer (plus its bias as .npy) and a
+    manifest.json into the output folder; nothing is written if any input is
+    bad. Needs nvcc and ptxas, no GPU. Example:
+
+        sparseconv compile models/vgg16_pruned.npz -o build/vgg16 --min-sparsity 0.5
+    """
+    from .batch import LayerJob, build_many
+
+    m = _load(model, fmt, spec_path, input_size)
+    chosen, skipped = _select(m, layer_glob, min_sparsity)
+    if not chosen:
+        raise click.UsageError(f"{model}: no layer left to compile ({len(skipped)} skipped by the filters)")
+    for layer in chosen:
+        bad = [what for what, a in (("weight", layer.weight), ("bias", layer.bias))
+               if a is not None and not np.isfinite(a).all()]
+        if bad and not allow_nonfinite:
+            raise click.UsageError(f"{model}: layer {layer.name}: {bad[0]} has NaN or Inf values "
+                                   "(pass --allow-nonfinite to compile it anyway)")
+    out_dir = output or model.with_name(model.stem + "_sparseconv")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
+        raise click.UsageError(f"{out_dir}: exists, is not empty and holds no manifest.json; "
+                               "refusing to write into it (choose another -o)")
+    try:
+        cache = ArtifactCache(cache_dir)
+        built = build_many([LayerJob(layer.name, layer.weight, layer.shape) for layer in chosen],
+                           target=Target(target), cache_dir=str(cache.root), workers=jobs)
+    except (ToolNotFoundError, CacheError, CompileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    manifest = {"model": str(model), "format": m.format, "target": target, "layers": [],
+                "skipped": skipped}
+    # Write everything into a fresh folder, then swap it in: a failure leaves
+    # the previous output (or nothing) in place, never a half-written folder.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        for i, layer in enumerate(chosen):
+            b = built[layer.name]
+            stem = f"{i:03d}_{slug(layer.name)}"
+            ptx = cache.get_text("kernel", b.ptx_sha256, ".ptx")
+            if ptx is None:
+                raise click.ClickException(f"layer {layer.name}: its PTX vanished from the cache; run again")
+            (tmp / f"{stem}.ptx").write_text(ptx)
+            (tmp / f"{stem}{b.artifact_suffix}").write_bytes(b.artifact)
+            if layer.bias is not None:
+                np.save(tmp / f"{stem}.bias.npy", layer.bias)
+            st = b.stats
+            manifest["layers"].append({
+                "name": layer.name, "ptx": f"{stem}.ptx", "binary": f"{stem}{b.artifact_suffix}",
+                "bias": f"{stem}.bias.npy" if layer.bias is not None else None,
+                "shape": layer.shape.as_dict(), "tiling": st["tiling"], "sparsity": layer.sparsity,
+                "nonzero_weights": st["nonzero_weights"], "weights": st["weights"],
+                "fmas_deleted": st["fmas_deleted"], "fmas_kept": st["fmas_kept"], "ptx_lines": st["ptx_lines"],
+                "seconds": st["seconds"], "wall_s": st["wall_s"], "cache_hit": st["kernel_cache_hit"],
+                "ptx_sha256": b.ptx_sha256, "template_key": st["template_key"], "kernel_key": st["kernel_key"]})
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+        return
+    click.echo(f"{'layer':32s} {'shape':30s} {'sparsity':>8s} {'nonzero':>9s} {'FMAs deleted':>13s} "
+               f"{'compile s':>9s}  cache")
+    for e in manifest["layers"]:
+        layer = next(x for x in chosen if x.name == e["name"])
+        click.echo(f"{e['name'][:32]:32s} {_describe(layer)[:30]:30s} {e['sparsity']:8.3f} "
+                   f"{e['nonzero_weights']:9d} {e['fmas_deleted']:13d} {e['wall_s']:9.2f}  "
+                   f"{'hit' if e['cache_hit'] else 'miss'}")
+    for name, why in skipped.items():
+        click.echo(f"{name[:32]:32s} skipped: {why}")
+    click.echo(f"wrote {len(manifest['layers'])} layers to {out_dir}")
 
 
 @main.group()

@@ -1,0 +1,235 @@
+"""Model import: the conv layers of a pruned model file, as weights + shapes.
+
+Formats (detected from the extension or the file's first bytes; `fmt` overrides):
+  * onnx  : Conv nodes; strides/pads/dilations/group from attributes, weights and
+            biases from initializers, input sizes from the graph's (inferred) shapes.
+  * npz   : NumPy archive, no pickle. Arrays `<layer>` (weight, K x C/g x R x S)
+            and optional `<layer>.bias`, plus a layer spec: either an array
+            `__spec__` (UTF-8 JSON bytes, as models/make_pruned_zoo.py writes) or
+            a separate JSON file (`spec_path`).
+A layer spec is a JSON list of {"name", "in_h", "in_w", "stride", "padding",
+"dilation", "groups"} (the last four optional, ints or pairs).
+
+Every problem raises ModelError naming the file and the layer."""
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .shapes import ConvShape, pair
+
+FORMATS = ("onnx", "npz")
+# Layer names become part of artifact file names (slugged), but names that try
+# to walk the file system are refused outright.
+_BAD_NAME = re.compile(r"(^|[\\/])\.\.([\\/]|$)|[\x00-\x1f]")
+
+
+class ModelError(ValueError):
+    """Bad model input: says which file, which layer, what was expected."""
+
+
+@dataclass(frozen=True)
+class ConvLayer:
+    name: str
+    weight: np.ndarray            # (K, C/groups, R, S) float32
+    bias: Optional[np.ndarray]    # (K,) float32 or None
+    shape: ConvShape
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - np.count_nonzero(self.weight) / self.weight.size
+
+
+@dataclass(frozen=True)
+class PrunedModel:
+    path: Path
+    format: str
+    layers: List[ConvLayer]
+
+
+def detect_format(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".onnx", ".npz"):
+        return suffix[1:]
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PK\x03\x04":
+        return "npz"
+    raise ModelError(f"{path}: cannot tell the model format from the extension {suffix!r} or its first bytes; "
+                     f"pass --format ({' or '.join(FORMATS)})")
+
+
+def slug(name: str) -> str:
+    """A file-name-safe version of a layer name (ONNX names look like /layer1/conv/Conv)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "layer"
+
+
+def check_layer_name(path: Path, name: str) -> None:
+    if not name or _BAD_NAME.search(name):
+        raise ModelError(f"{path}: layer name {name!r} contains '..' path segments or control characters; "
+                         "rename the layer")
+
+
+def load_model(path: Path, fmt: Optional[str] = None, spec_path: Optional[Path] = None,
+               input_size: Optional[Tuple[int, int]] = None) -> PrunedModel:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file")
+    fmt = fmt or detect_format(path)
+    if fmt == "onnx":
+        layers = _load_onnx(path, input_size)
+    elif fmt == "npz":
+        layers = _load_npz(path, spec_path, input_size)
+    else:
+        raise ModelError(f"{path}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if not layers:
+        raise ModelError(f"{path}: the model has no Conv layer; nothing to compile")
+    names = [layer.name for layer in layers]
+    for name in names:
+        check_layer_name(path, name)
+    if len(set(names)) != len(names):
+        raise ModelError(f"{path}: duplicate layer names: {sorted({n for n in names if names.count(n) > 1})}")
+    if len({slug(n) for n in names}) != len(names):
+        raise ModelError(f"{path}: layer names collide once made file-name safe; rename the layers")
+    return PrunedModel(path, fmt, layers)
+
+
+def _float_array(path: Path, layer: str, what: str, a: Any) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype.kind != "f":
+        raise ModelError(f"{path}: layer {layer}: {what} must be floating point, got {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _make_layer(path: Path, name: str, weight: np.ndarray, bias: Optional[np.ndarray],
+                hw: Tuple[int, int], stride: Any, padding: Any, dilation: Any, groups: int) -> ConvLayer:
+    if weight.ndim != 4:
+        raise ModelError(f"{path}: layer {name}: weight must be 4-D (K, C/groups, R, S), got shape {weight.shape}")
+    k, cpg, r, s = weight.shape
+    if bias is not None and bias.shape != (k,):
+        raise ModelError(f"{path}: layer {name}: bias must have shape ({k},), got {bias.shape}")
+    try:
+        shape = ConvShape(cpg * groups, k, hw[0], hw[1], r, s, pair(stride, "stride"), pair(padding, "padding"),
+                          pair(dilation, "dilation"), groups)
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{path}: layer {name}: {exc}") from None
+    return ConvLayer(name, weight, bias, shape)
+
+
+# --------------------------------------------------------------------------- npz
+
+def _load_npz(path: Path, spec_path: Optional[Path], input_size: Optional[Tuple[int, int]]) -> List[ConvLayer]:
+    try:
+        archive = np.load(path, allow_pickle=False)
+        arrays = {k: archive[k] for k in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ModelError(f"{path}: not a readable .npz archive ({exc})") from None
+    if spec_path is not None:
+        try:
+            spec = json.loads(Path(spec_path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{spec_path}: cannot read the layer spec as JSON ({exc})") from None
+    elif "__spec__" in arrays:
+        try:
+            spec = json.loads(arrays["__spec__"].tobytes().decode())
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ModelError(f"{path}: its __spec__ entry is not JSON ({exc})") from None
+    else:
+        raise ModelError(f"{path}: no layer spec: add a __spec__ entry or pass --spec FILE.json "
+                         "(a list of {name, in_h, in_w, stride, padding, dilation, groups})")
+    if not isinstance(spec, list):
+        raise ModelError(f"{path}: the layer spec must be a JSON list of layer objects")
+    layers = []
+    for entry in spec:
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ModelError(f"{path}: every layer spec entry needs a name, got {entry!r}")
+        name = str(entry["name"])
+        if name not in arrays:
+            raise ModelError(f"{path}: layer {name} is in the spec but has no weight array")
+        hw = (entry.get("in_h"), entry.get("in_w"))
+        if hw == (None, None) and input_size is not None:
+            hw = input_size
+        if not all(isinstance(v, int) for v in hw):
+            raise ModelError(f"{path}: layer {name}: the spec gives no in_h/in_w; pass --input-size")
+        bias = arrays.get(f"{name}.bias")
+        layers.append(_make_layer(
+            path, name, _float_array(path, name, "weight", arrays[name]),
+            None if bias is None else _float_array(path, name, "bias", bias), hw,
+            _spec_value(entry, "stride", 1), _spec_value(entry, "padding", 0), _spec_value(entry, "dilation", 1),
+            int(entry.get("groups", 1))))
+    return layers
+
+
+def _spec_value(entry: Dict[str, Any], key: str, default: int) -> Any:
+    v = entry.get(key, default)
+    return tuple(v) if isinstance(v, list) else v
+
+
+# --------------------------------------------------------------------------- onnx
+
+def _load_onnx(path: Path, input_size: Optional[Tuple[int, int]]) -> List[ConvLayer]:
+    try:
+        import onnx
+        from onnx import numpy_helper, shape_inference
+    except ImportError:
+        raise ModelError(f"{path}: reading ONNX needs the onnx package: pip install 'sparseconv[onnx]'") from None
+    try:
+        model = onnx.load(str(path))
+        if input_size is not None:  # fix the image size of every 4-D graph input, then re-infer
+            init_names = {t.name for t in model.graph.initializer}
+            for inp in model.graph.input:
+                dims = inp.type.tensor_type.shape.dim
+                if inp.name not in init_names and len(dims) == 4:
+                    dims[2].dim_value, dims[3].dim_value = input_size
+        model = shape_inference.infer_shapes(model)
+    except Exception as exc:  # onnx raises DecodeError and friends
+        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    shapes: Dict[str, List[Optional[int]]] = {}
+    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    layers = []
+    for i, node in enumerate(graph.node):
+        if node.op_type != "Conv":
+            continue
+        name = node.name or f"conv{i}"
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        where = f"{path}: Conv node {name}"
+        auto_pad = attrs.get("auto_pad", b"NOTSET")
+        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+        if auto_pad not in ("NOTSET", ""):
+            raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
+        if len(node.input) < 2 or node.input[1] not in inits:
+            raise ModelError(f"{where}: the weight is not a constant initializer; only static weights compile")
+        weight = _float_array(path, name, "weight", numpy_helper.to_array(inits[node.input[1]]))
+        if weight.ndim != 4:
+            raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")
+        bias = None
+        if len(node.input) > 2 and node.input[2]:
+            if node.input[2] not in inits:
+                raise ModelError(f"{where}: the bias is not a constant initializer")
+            bias = _float_array(path, name, "bias", numpy_helper.to_array(inits[node.input[2]]))
+        pads = list(attrs.get("pads", [0, 0, 0, 0]))
+        if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
+            raise ModelError(f"{where}: asymmetric pads {pads} are not supported (need top == bottom, "
+                             "left == right)")
+        if "kernel_shape" in attrs and tuple(attrs["kernel_shape"]) != weight.shape[2:]:
+            raise ModelError(f"{where}: kernel_shape {attrs['kernel_shape']} disagrees with the weight "
+                             f"{weight.shape}")
+        in_shape = shapes.get(node.input[0])
+        if in_shape is not None and len(in_shape) == 4 and in_shape[2] and in_shape[3]:
+            hw: Tuple[int, int] = (int(in_shape[2]), int(in_shape[3]))
+        else:
+            raise ModelError(f"{where}: the graph gives no static input size for this layer; pass --input-size")
+        layers.append(_make_layer(path, name, weight, bias, hw, tuple(attrs.get("strides", (1, 1))),
+                                  (pads[0], pads[1]), tuple(attrs.get("dilations", (1, 1))),
+                                  int(attrs.get("group", 1))))
+    return layers

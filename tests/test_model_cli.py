@@ -1,0 +1,163 @@
+"""CPU: model import (npz + spec, ONNX) and `sparseconv compile / inspect`."""
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sparseconv.cli import main
+from sparseconv.model import ModelError, load_model
+
+from reference import pruned_weight
+
+
+def write_npz(path, names=("conv_a", "conv_b"), nan=False):
+    rng = np.random.default_rng(0)
+    wa = pruned_weight(rng, (6, 3, 3, 3), 0.8)
+    wb = pruned_weight(rng, (4, 6, 1, 1), 0.6)
+    if nan:
+        wb[0, 0, 0, 0] = np.nan
+    spec = [dict(name=names[0], in_h=9, in_w=11, padding=1),
+            dict(name=names[1], in_h=9, in_w=11, stride=[2, 1])]
+    np.savez(path, **{names[0]: wa, names[1]: wb, f"{names[0]}.bias": np.ones(6, np.float32)},
+             __spec__=np.frombuffer(json.dumps(spec).encode(), np.uint8))
+    return path
+
+
+def onnx_model(path, auto_pad=None, with_conv=True):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    w1 = pruned_weight(rng, (8, 3, 3, 3), 0.9)
+    w2 = pruned_weight(rng, (8, 4, 3, 3), 0.9)  # groups=2
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(np.zeros(8, np.float32), "b1"),
+             numpy_helper.from_array(w2, "w2")]
+    attrs = dict(pads=[1, 1, 1, 1])
+    if auto_pad:
+        attrs = dict(auto_pad=auto_pad)
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h"], name="/stem/Conv", **attrs),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="/block/Conv", strides=[2, 2], group=2)]
+    if not with_conv:
+        nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              inits if with_conv else [])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path, w1, w2
+
+
+def test_npz_with_embedded_spec(tmp_path):
+    m = load_model(write_npz(tmp_path / "m.npz"))
+    assert [layer.name for layer in m.layers] == ["conv_a", "conv_b"]
+    a, b = m.layers
+    assert a.shape.padding == (1, 1) and a.bias is not None and b.bias is None
+    assert b.shape.stride == (2, 1) and b.shape.in_channels == 6
+
+
+def test_onnx_import_reads_attributes_and_inferred_sizes(tmp_path):
+    path, w1, w2 = onnx_model(tmp_path / "m.onnx")
+    m = load_model(path)
+    assert m.format == "onnx" and [layer.name for layer in m.layers] == ["/stem/Conv", "/block/Conv"]
+    stem, block = m.layers
+    np.testing.assert_array_equal(stem.weight, w1)
+    assert stem.shape.padding == (1, 1) and (stem.shape.in_h, stem.shape.in_w) == (12, 12)
+    assert block.shape.groups == 2 and block.shape.stride == (2, 2) and block.shape.in_channels == 8
+
+
+@pytest.mark.nvcc
+def test_compile_writes_artifacts_and_manifest(tmp_path):
+    model = write_npz(tmp_path / "m.npz")
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    r = CliRunner().invoke(main, ["compile", str(model), "-o", str(out), "--cache-dir", str(cache), "--json",
+                                  "--jobs", "2"])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["name"] for e in manifest["layers"]] == ["conv_a", "conv_b"]
+    for e in manifest["layers"]:
+        assert (out / e["ptx"]).read_text().count(".entry sc_conv2d") == 1
+        assert (out / e["binary"]).read_bytes()[:4] == b"\x7fELF"
+        assert e["fmas_kept"] == e["nonzero_weights"] * (e["fmas_kept"] // max(e["nonzero_weights"], 1))
+    assert np.array_equal(np.load(out / manifest["layers"][0]["bias"]), np.ones(6, np.float32))
+    r2 = CliRunner().invoke(main, ["compile", str(model), "-o", str(out), "--cache-dir", str(cache),
+                                   "--layers", "conv_b"])
+    assert r2.exit_code == 0, r2.output
+    assert "hit" in r2.output and "conv_a" in r2.output and "skipped" in r2.output
+    assert [e["name"] for e in json.loads((out / "manifest.json").read_text())["layers"]] == ["conv_b"]
+    assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())  # no temp folders left
+
+
+@pytest.mark.nvcc
+def test_compile_onnx_model(tmp_path):
+    path, _, _ = onnx_model(tmp_path / "m.onnx")
+    r = CliRunner().invoke(main, ["compile", str(path), "--cache-dir", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "m_sparseconv" / "manifest.json").read_text())
+    assert [e["ptx"] for e in manifest["layers"]] == ["000_stem_Conv.ptx", "001_block_Conv.ptx"]
+
+
+def test_inspect_lists_layers_and_filters(tmp_path):
+    r = CliRunner().invoke(main, ["inspect", str(write_npz(tmp_path / "m.npz")), "--min-sparsity", "0.72"])
+    assert r.exit_code == 0, r.output
+    assert "2 conv layers, 1 to compile" in r.output and "skip: sparsity" in r.output
+
+
+def bad_inputs(tmp_path):
+    good = write_npz(tmp_path / "good.npz")
+    trunc = tmp_path / "trunc.npz"
+    trunc.write_bytes(good.read_bytes()[:200])
+    cases = {
+        "truncated": ([str(trunc)], "not a readable .npz"),
+        "nan": ([str(write_npz(tmp_path / "nan.npz", nan=True))], "NaN or Inf"),
+        "path_name": ([str(write_npz(tmp_path / "evil.npz", names=("../x", "conv_b")))], "'..' path segments"),
+        "no_layer_left": ([str(good), "--layers", "nothing*"], "no layer left"),
+        "unknown_ext": ([str(tmp_path / "m.bin")], "cannot tell the model format"),
+    }
+    (tmp_path / "m.bin").write_bytes(b"\x00\x01\x02\x03junk")
+    if __import__("importlib").util.find_spec("onnx"):
+        cases["no_conv"] = ([str(onnx_model(tmp_path / "noconv.onnx", with_conv=False)[0])], "no Conv layer")
+        cases["auto_pad"] = ([str(onnx_model(tmp_path / "pad.onnx", auto_pad="SAME_UPPER")[0])],
+                             "Conv node /stem/Conv: attribute auto_pad=SAME_UPPER")
+        corrupt = tmp_path / "corrupt.onnx"
+        corrupt.write_bytes(b"\x08\x07garbage-not-protobuf" * 3)
+        cases["corrupt_onnx"] = ([str(corrupt)], "not a readable ONNX model")
+    return cases
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path):
+    for label, (args, message) in bad_inputs(tmp_path).items():
+        out, cache = tmp_path / f"out_{label}", tmp_path / f"cache_{label}"
+        r = CliRunner().invoke(main, ["compile", *args, "-o", str(out), "--cache-dir", str(cache)])
+        assert r.exit_code == 2, (label, r.output)
+        assert message in r.output, (label, r.output)
+        assert not out.exists(), label
+        assert not cache.exists() or not [p for p in cache.rglob("*") if p.is_file() and p.name[0] != "."], label
+
+
+def test_nonempty_foreign_output_folder_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    r = CliRunner().invoke(main, ["compile", str(write_npz(tmp_path / "m.npz")), "-o", str(out)])
+    assert r.exit_code == 2 and "refusing to write" in r.output
+    assert (out / "precious.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+
+
+def test_missing_onnx_extra_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"\x08\x07")
+    real_import = builtins.__import__
+
+    def no_onnx(name, *a, **k):
+        if name == "onnx" or name.startswith("onnx."):
+            raise ImportError("no onnx")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_onnx)
+    with pytest.raises(ModelError, match=r"pip install 'sparseconv\[onnx\]'"):
+        load_model(path)
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 2 and "sparseconv[onnx]" in r.output
