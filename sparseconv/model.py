@@ -3,10 +3,15 @@
 Formats (detected from the extension or the file's first bytes; `fmt` overrides):
   * onnx  : Conv nodes; strides/pads/dilations/group from attributes, weights and
             biases from initializers, input sizes from the graph's (inferred) shapes.
-  * npz   : NumPy archive, no pickle. Arrays `<layer>` (weight, K x C/g x R x S)
-            and optional `<layer>.bias`, plus a layer spec: either an array
-            `__spec__` (UTF-8 JSON bytes, as models/make_pruned_zoo.py writes) or
-            a separate JSON file (`spec_path`).
+  * npz         : NumPy archive, no pickle.
+  * safetensors : safetensors file (read as NumPy, no torch needed).
+  * torch       : PyTorch checkpoint, read with torch.load(weights_only=True)
+                  only; a state dict (or {"state_dict": ...}).
+For these three, weights are looked up per layer as `<layer>`, `<layer>.weight`
+or `<layer>.weight_orig` x `<layer>.weight_mask` (torch.nn.utils.prune), the
+bias as `<layer>.bias`, and the shapes come from a layer spec: an entry
+`__spec__` (UTF-8 JSON bytes, as models/make_pruned_zoo.py writes) or a
+separate JSON file (`spec_path`).
 A layer spec is a JSON list of {"name", "in_h", "in_w", "stride", "padding",
 "dilation", "groups"} (the last four optional, ints or pairs).
 
@@ -24,7 +29,7 @@ import numpy as np
 
 from .shapes import ConvShape, pair
 
-FORMATS = ("onnx", "npz")
+FORMATS = ("onnx", "npz", "safetensors", "torch")
 # Layer names become part of artifact file names (slugged), but names that try
 # to walk the file system are refused outright.
 _BAD_NAME = re.compile(r"(^|[\\/])\.\.([\\/]|$)|[\x00-\x1f]")
@@ -55,12 +60,19 @@ class PrunedModel:
 
 def detect_format(path: Path) -> str:
     suffix = path.suffix.lower()
-    if suffix in (".onnx", ".npz"):
-        return suffix[1:]
+    by_suffix = {".onnx": "onnx", ".npz": "npz", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch"}
+    if suffix in by_suffix:
+        return by_suffix[suffix]
     with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PK\x03\x04":
-        return "npz"
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":  # a zip: NumPy .npz or PyTorch's zip checkpoint
+        try:
+            names = zipfile.ZipFile(path).namelist()
+        except zipfile.BadZipFile:
+            names = []
+        return "torch" if any(n.endswith("data.pkl") for n in names) else "npz"
+    if len(head) == 9 and head[8:9] == b"{":  # safetensors: u64 header length, then JSON
+        return "safetensors"
     raise ModelError(f"{path}: cannot tell the model format from the extension {suffix!r} or its first bytes; "
                      f"pass --format ({' or '.join(FORMATS)})")
 
@@ -84,8 +96,9 @@ def load_model(path: Path, fmt: Optional[str] = None, spec_path: Optional[Path] 
     fmt = fmt or detect_format(path)
     if fmt == "onnx":
         layers = _load_onnx(path, input_size)
-    elif fmt == "npz":
-        layers = _load_npz(path, spec_path, input_size)
+    elif fmt in ("npz", "safetensors", "torch"):
+        arrays = {"npz": _read_npz, "safetensors": _read_safetensors, "torch": _read_torch}[fmt](path)
+        layers = _layers_from_arrays(path, arrays, spec_path, input_size)
     else:
         raise ModelError(f"{path}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if not layers:
@@ -124,12 +137,65 @@ def _make_layer(path: Path, name: str, weight: np.ndarray, bias: Optional[np.nda
 
 # --------------------------------------------------------------------------- npz
 
-def _load_npz(path: Path, spec_path: Optional[Path], input_size: Optional[Tuple[int, int]]) -> List[ConvLayer]:
+def _read_npz(path: Path) -> Dict[str, np.ndarray]:
     try:
         archive = np.load(path, allow_pickle=False)
-        arrays = {k: archive[k] for k in archive.files}
+        return {k: archive[k] for k in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise ModelError(f"{path}: not a readable .npz archive ({exc})") from None
+
+
+def _read_safetensors(path: Path) -> Dict[str, np.ndarray]:
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise ModelError(f"{path}: reading safetensors needs the safetensors package: "
+                         "pip install 'sparseconv[safetensors]'") from None
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # SafetensorError, OSError, ...
+        raise ModelError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def _read_torch(path: Path) -> Dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise ModelError(f"{path}: reading PyTorch checkpoints needs torch: pip install 'sparseconv[torch]'") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # never retried with weights_only=False: that would run arbitrary pickle code
+        raise ModelError(f"{path}: cannot load it with torch.load(weights_only=True) ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}); sparseconv never unpickles "
+                         "arbitrary objects: save a plain state dict") from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise ModelError(f"{path}: expected a state dict (name -> tensor), got {type(obj).__name__}")
+    out: Dict[str, np.ndarray] = {}
+    for k, v in obj.items():
+        if isinstance(v, torch.Tensor):
+            out[str(k)] = v.detach().cpu().numpy()
+        elif k == "__spec__" and isinstance(v, str):
+            out[k] = np.frombuffer(v.encode(), np.uint8)
+    return out
+
+
+def _layer_weight(path: Path, arrays: Dict[str, np.ndarray], name: str) -> np.ndarray:
+    for key in (name, f"{name}.weight"):
+        if key in arrays:
+            return _float_array(path, name, "weight", arrays[key])
+    orig, mask = arrays.get(f"{name}.weight_orig"), arrays.get(f"{name}.weight_mask")
+    if orig is not None and mask is not None:
+        if orig.shape != mask.shape:
+            raise ModelError(f"{path}: layer {name}: weight_orig {orig.shape} and weight_mask {mask.shape} differ")
+        return _float_array(path, name, "weight", orig * mask)
+    raise ModelError(f"{path}: layer {name} is in the spec but has no weight ({name}, {name}.weight or "
+                     f"{name}.weight_orig + {name}.weight_mask)")
+
+
+def _layers_from_arrays(path: Path, arrays: Dict[str, np.ndarray], spec_path: Optional[Path],
+                        input_size: Optional[Tuple[int, int]]) -> List[ConvLayer]:
     if spec_path is not None:
         try:
             spec = json.loads(Path(spec_path).read_text())
@@ -150,8 +216,6 @@ def _load_npz(path: Path, spec_path: Optional[Path], input_size: Optional[Tuple[
         if not isinstance(entry, dict) or "name" not in entry:
             raise ModelError(f"{path}: every layer spec entry needs a name, got {entry!r}")
         name = str(entry["name"])
-        if name not in arrays:
-            raise ModelError(f"{path}: layer {name} is in the spec but has no weight array")
         hw = (entry.get("in_h"), entry.get("in_w"))
         if hw == (None, None) and input_size is not None:
             hw = input_size
@@ -159,7 +223,7 @@ def _load_npz(path: Path, spec_path: Optional[Path], input_size: Optional[Tuple[
             raise ModelError(f"{path}: layer {name}: the spec gives no in_h/in_w; pass --input-size")
         bias = arrays.get(f"{name}.bias")
         layers.append(_make_layer(
-            path, name, _float_array(path, name, "weight", arrays[name]),
+            path, name, _layer_weight(path, arrays, name),
             None if bias is None else _float_array(path, name, "bias", bias), hw,
             _spec_value(entry, "stride", 1), _spec_value(entry, "padding", 0), _spec_value(entry, "dilation", 1),
             int(entry.get("groups", 1))))

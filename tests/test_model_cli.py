@@ -161,3 +161,57 @@ def test_missing_onnx_extra_is_a_clear_error(tmp_path, monkeypatch):
         load_model(path)
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 2 and "sparseconv[onnx]" in r.output
+
+
+def spec_json(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps([dict(name="features.0", in_h=10, in_w=10, padding=1)]))
+    return path
+
+
+def test_safetensors_with_weight_and_bias(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    w = pruned_weight(np.random.default_rng(2), (5, 3, 3, 3), 0.8)
+    path = tmp_path / "m.safetensors"
+    st.save_file({"features.0.weight": w, "features.0.bias": np.arange(5, dtype=np.float32)}, str(path))
+    m = load_model(path, spec_path=spec_json(tmp_path))
+    assert m.format == "safetensors"
+    np.testing.assert_array_equal(m.layers[0].weight, w)
+    assert m.layers[0].shape.padding == (1, 1) and m.layers[0].bias[4] == 4
+    renamed = tmp_path / "m.bin"
+    renamed.write_bytes(path.read_bytes())
+    assert load_model(renamed, spec_path=spec_json(tmp_path)).format == "safetensors"  # by magic bytes
+
+
+def test_torch_checkpoint_with_prune_mask(tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.nn.utils.prune as prune
+
+    conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+    prune.l1_unstructured(conv, "weight", amount=0.9)
+    path = tmp_path / "m.pt"
+    torch.save({"state_dict": {f"features.0.{k}": v for k, v in conv.state_dict().items()}}, path)
+    m = load_model(path, spec_path=spec_json(tmp_path))
+    want = (conv.weight_orig * conv.weight_mask).detach().numpy()
+    np.testing.assert_array_equal(m.layers[0].weight, want)
+    assert abs(m.layers[0].sparsity - 0.9) < 0.02
+    renamed = tmp_path / "m.bin"
+    renamed.write_bytes(path.read_bytes())
+    assert load_model(renamed, spec_path=spec_json(tmp_path)).format == "torch"  # zip holding data.pkl
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_torch_checkpoint_is_never_unpickled_unsafely(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "evil.pt"
+    torch.save({"features.0.weight": torch.zeros(5, 3, 3, 3), "x": Payload()}, path)
+    capsys.readouterr()
+    r = CliRunner().invoke(main, ["compile", str(path), "--spec", str(spec_json(tmp_path)),
+                                  "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "weights_only=True" in r.output
+    assert "this must never run" not in capsys.readouterr().out + r.output
+    assert not (tmp_path / "out").exists()
