@@ -61,6 +61,6 @@ def test_unreadable_weight_file_exits_2(tmp_path):
 
 
 def test_help_has_examples():
-    for verb in (["layer"], ["cache", "ls"], ["cache", "verify"], ["cache", "clear"]):
+    for verb in (["layer"], ["compile"], ["inspect"], ["cache", "ls"], ["cache", "verify"], ["cache", "clear"]):
         r = CliRunner().invoke(main, [*verb, "--help"])
         assert r.exit_code == 0 and "Example" in r.output
