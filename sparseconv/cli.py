@@ -18,9 +18,8 @@ import numpy as np
 from .build import build_conv2d
 from .cache import ArtifactCache, CacheError
 from .compile import CompileError, ToolNotFoundError
-from .kernel import shape_from_weight
 from .model import FORMATS, ConvLayer, ModelError, PrunedModel, load_model, slug
-from .shapes import Target
+from .shapes import Target, shape_from_weight
 
 
 def _size(text: str, what: str) -> Tuple[int, int]:
@@ -34,6 +33,14 @@ def _size(text: str, what: str) -> Tuple[int, int]:
     if len(parts) != 2:
         raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}")
     return parts[0], parts[1]
+
+
+def _specialised_ptx(cache: ArtifactCache, built) -> str:
+    ptx = cache.get_text("kernel", built.ptx_sha256, ".ptx")
+    if ptx is None:
+        raise click.ClickException(f"layer {built.name}: its specialised PTX {built.ptx_sha256[:12]} vanished "
+                                   "from the cache; run again")
+    return ptx
 
 
 def _load_npy(path: Path, what: str) -> np.ndarray:
@@ -86,11 +93,7 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
     except CompileError as exc:
         raise click.ClickException(f"{weight_file}: {exc}") from None
     if emit_ptx is not None:
-        cache = ArtifactCache(cache_dir)
-        ptx = cache.get_text("kernel", built.ptx_sha256, ".ptx")
-        if ptx is None:
-            raise click.ClickException(f"specialised PTX {built.ptx_sha256} vanished from the cache; run again")
-        emit_ptx.write_text(ptx)
+        emit_ptx.write_text(_specialised_ptx(ArtifactCache(cache_dir), built))
     stats = dict(built.stats, layer=name, shape=shape.describe())
     if as_json:
         click.echo(json.dumps(stats, indent=2, default=str))
@@ -228,10 +231,7 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
         for i, layer in enumerate(chosen):
             b = built[layer.name]
             stem = f"{i:03d}_{slug(layer.name)}"
-            ptx = cache.get_text("kernel", b.ptx_sha256, ".ptx")
-            if ptx is None:
-                raise click.ClickException(f"layer {layer.name}: its PTX vanished from the cache; run again")
-            (tmp / f"{stem}.ptx").write_text(ptx)
+            (tmp / f"{stem}.ptx").write_text(_specialised_ptx(cache, b))
             (tmp / f"{stem}{b.artifact_suffix}").write_bytes(b.artifact)
             if layer.bias is not None:
                 np.save(tmp / f"{stem}.bias.npy", layer.bias)

@@ -9,7 +9,7 @@ import numpy as np
 from .assemble import device_target, load_kernel
 from .build import CompiledLayer, build_conv2d
 from .cache import ArtifactCache
-from .shapes import ConvShape, IntPair, Tiling, pair
+from .shapes import IntPair, Tiling, shape_from_weight
 
 MAX_GRID_Z = 65535  # gridDim.z limit: bigger batches are launched in slices
 
@@ -24,18 +24,6 @@ def _host_array(a: Any, what: str) -> np.ndarray:
     if arr.dtype.kind != "f":
         raise TypeError(f"{what} must be a floating-point array, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def shape_from_weight(weight: np.ndarray, input_size: IntPair, stride: IntPair = 1, padding: IntPair = 0,
-                      dilation: IntPair = 1, groups: int = 1) -> ConvShape:
-    if weight.ndim != 4:
-        raise ValueError(f"weight must be 4-D (K, C/groups, R, S), got shape {weight.shape}")
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"groups must be a positive int, got {groups!r}")
-    k, cpg, r, s = weight.shape
-    h, w = pair(input_size, "input_size")
-    return ConvShape(cpg * groups, k, h, w, r, s, pair(stride, "stride"), pair(padding, "padding"),
-                     pair(dilation, "dilation"), groups)
 
 
 class Conv2dKernel:

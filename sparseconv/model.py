@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .shapes import ConvShape, pair
+from .shapes import ConvShape, shape_from_weight
 
 FORMATS = ("onnx", "npz", "safetensors", "torch")
 # Layer names become part of artifact file names (slugged), but names that try
@@ -122,16 +122,12 @@ def _float_array(path: Path, layer: str, what: str, a: Any) -> np.ndarray:
 
 def _make_layer(path: Path, name: str, weight: np.ndarray, bias: Optional[np.ndarray],
                 hw: Tuple[int, int], stride: Any, padding: Any, dilation: Any, groups: int) -> ConvLayer:
-    if weight.ndim != 4:
-        raise ModelError(f"{path}: layer {name}: weight must be 4-D (K, C/groups, R, S), got shape {weight.shape}")
-    k, cpg, r, s = weight.shape
-    if bias is not None and bias.shape != (k,):
-        raise ModelError(f"{path}: layer {name}: bias must have shape ({k},), got {bias.shape}")
     try:
-        shape = ConvShape(cpg * groups, k, hw[0], hw[1], r, s, pair(stride, "stride"), pair(padding, "padding"),
-                          pair(dilation, "dilation"), groups)
+        shape = shape_from_weight(weight, hw, stride, padding, dilation, groups)
     except (TypeError, ValueError) as exc:
         raise ModelError(f"{path}: layer {name}: {exc}") from None
+    if bias is not None and bias.shape != (shape.out_channels,):
+        raise ModelError(f"{path}: layer {name}: bias must have shape ({shape.out_channels},), got {bias.shape}")
     return ConvLayer(name, weight, bias, shape)
 
 

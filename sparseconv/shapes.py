@@ -5,6 +5,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Tuple, Union
 
+import numpy as np
+
 IntPair = Union[int, Tuple[int, int]]
 
 # Bound on the weights of one template body (K_BLOCK * C_BLOCK * R * S). nvcc and
@@ -92,6 +94,19 @@ class ConvShape:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def shape_from_weight(weight: np.ndarray, input_size: IntPair, stride: IntPair = 1, padding: IntPair = 0,
+                      dilation: IntPair = 1, groups: int = 1) -> ConvShape:
+    """The ConvShape of a (K, C/groups, R, S) weight applied to (H, W) inputs."""
+    if weight.ndim != 4:
+        raise ValueError(f"weight must be 4-D (K, C/groups, R, S), got shape {weight.shape}")
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    k, cpg, r, s = weight.shape
+    h, w = pair(input_size, "input_size")
+    return ConvShape(cpg * groups, k, h, w, r, s, pair(stride, "stride"), pair(padding, "padding"),
+                     pair(dilation, "dilation"), groups)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from sparseconv import specialise as spec_mod
-from sparseconv.build import CompiledLayer
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
 from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_size
