@@ -1,4 +1,5 @@
-"""Command line: `sparseconv layer` builds one pruned layer's kernel; `sparseconv cache` manages artifacts.
+"""Command line: `layer` builds one pruned layer's kernel, `inspect`/`compile` a model's conv layers,
+`run` a whole ONNX model, `cache` manages artifacts.
 
 Exit codes: 0 success, 2 bad input (with a one-line reason on stderr)."""
 from __future__ import annotations
@@ -268,6 +269,112 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
     for name, why in skipped.items():
         click.echo(f"{name[:32]:32s} skipped: {why}")
     click.echo(f"wrote {len(manifest['layers'])} layers to {out_dir}")
+
+
+@main.command()
+@model_argument
+@click.option("--data", "data_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Inputs as .npy, or .npz with an input array and optional labels.")
+@click.option("--input-key", default=None, help="Input array in the .npz (default: the graph input's name, "
+              "x, image(s), input or data).")
+@click.option("--label-key", default=None, help="Label array in the .npz (default: label(s), y or target).")
+@input_size_option
+@click.option("--batch-size", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--backend", type=click.Choice(["sparseconv", "reference"]), default="sparseconv",
+              show_default=True, help="reference: the dense float64 model on the CPU, no GPU needed.")
+@click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the model's first output for every input to this .npy file.")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel layer builds (default: CPU count).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
+        batch_size: int, backend: str, check: bool, output: Optional[Path], jobs: Optional[int],
+        cache_dir: Optional[Path], as_json: bool) -> None:
+    """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
+
+    The other operators run as CuPy code (see sparseconv/runner.py for the
+    list). Prints accuracy when the data has labels. Example:
+
+        sparseconv run models/lenet_digits_pruned.onnx --data models/digits_test.npz --check
+    """
+    import time
+
+    from .model import detect_format
+    from .runner import compile_model, load_data, load_program, predict, run_reference
+
+    if output is not None and output.suffix != ".npy":
+        raise click.UsageError(f"{output}: the output file must end in .npy")
+    try:
+        if not model.is_file():
+            raise ModelError(f"{model}: no such file")
+        if detect_format(model) != "onnx":
+            raise ModelError(f"{model}: `sparseconv run` needs an ONNX model (it runs the whole graph); for a "
+                             "PyTorch model use sparseconv.torch.sparsify(model, example_input)")
+        program = load_program(model, _size(input_size, "--input-size") if input_size else None)
+        x, labels = load_data(data_path, program, input_key, label_key)
+    except ModelError as exc:
+        raise click.UsageError(str(exc)) from None
+    summary: dict = {"model": str(model), "data": str(data_path), "images": len(x), "backend": backend}
+    reference = None
+    if backend == "reference" or check:
+        t = time.perf_counter()
+        reference = predict(lambda b: run_reference(program, b)[0], x, batch_size)
+        summary["reference_s"] = round(time.perf_counter() - t, 4)
+    if backend == "reference":
+        y = reference
+    else:
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() == 0:
+                raise RuntimeError("no device found")
+        except Exception as exc:
+            raise click.ClickException(f"no usable CUDA GPU ({type(exc).__name__}: {exc}); "
+                                       "`--backend reference` runs the dense model on the CPU") from None
+        try:
+            t = time.perf_counter()
+            sparse = compile_model(model, input_size=program.input_shape[2:] if input_size else None,
+                                   cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
+                                   progress=not as_json)
+            summary["compile_s"] = round(time.perf_counter() - t, 4)
+        except (ToolNotFoundError, CacheError, CompileError) as exc:
+            raise click.ClickException(str(exc)) from None
+        predict(sparse, x[:batch_size], batch_size)  # warm-up: first launches load the modules
+        cupy.cuda.Device().synchronize()
+        t = time.perf_counter()
+        y = predict(sparse, x, batch_size)
+        summary["run_s"] = round(time.perf_counter() - t, 4)
+        summary["conv_layers"] = len(sparse.kernels)
+    summary["output_shape"] = list(y.shape)
+    if labels is not None and y.ndim == 2:
+        summary["accuracy"] = float(np.mean(y.argmax(1) == labels))
+    if check and backend != "reference":
+        same = int(np.sum(y.argmax(1) == reference.argmax(1))) if y.ndim == 2 else None
+        err = float(np.linalg.norm(y - reference) / max(np.linalg.norm(reference), 1e-30))
+        summary.update(same_predictions=same, relative_l2_vs_reference=err)
+    if output is not None:
+        tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}.npy")
+        try:
+            np.save(tmp, y.astype(np.float32))
+            os.replace(tmp, output)
+        finally:
+            tmp.unlink(missing_ok=True)
+        summary["output"] = str(output)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(f"{model.name}: {len(x)} inputs through {backend}"
+               + (f" ({summary['conv_layers']} conv layers as sparseconv kernels; compile+load "
+                  f"{summary['compile_s']:.2f} s, run {summary['run_s']:.3f} s)" if backend == "sparseconv" else ""))
+    if "accuracy" in summary:
+        click.echo(f"accuracy: {summary['accuracy']:.4f} ({int(round(summary['accuracy'] * len(x)))}/{len(x)})")
+    if "same_predictions" in summary:
+        click.echo(f"vs dense float64 reference: same prediction for {summary['same_predictions']}/{len(x)}, "
+                   f"relative L2 of outputs {summary['relative_l2_vs_reference']:.2e}")
+    if output is not None:
+        click.echo(f"wrote {output}")
 
 
 @main.group()

@@ -1,0 +1,4 @@
+"""`python -m sparseconv ...` is the `sparseconv` command."""
+from .cli import main
+
+main(prog_name="sparseconv")

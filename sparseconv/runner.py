@@ -1,0 +1,344 @@
+"""Run a pruned ONNX model end to end.
+
+Every Conv node runs as a sparseconv kernel on the GPU; the other nodes are
+small array functions written once for an array module `xp` (CuPy on the GPU,
+NumPy for the float64 dense reference). Only the operators in `OPS` are
+supported: enough for LeNet/VGG/ResNet-style exports. Anything else is refused
+when the model is loaded, naming the node, before any compile starts.
+
+    model = compile_model("models/lenet_digits_pruned.onnx")   # SparseModel
+    logits = model(x)                       # x: CuPy or NumPy (N, 1, 8, 8) float32
+    ref = run_reference(model.program, x)   # float64 NumPy, dense convs
+"""
+from __future__ import annotations
+
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .model import ConvLayer, ModelError, load_model
+
+
+@dataclass(frozen=True)
+class Node:
+    op: str
+    name: str
+    inputs: Tuple[str, ...]
+    outputs: Tuple[str, ...]
+    attrs: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OnnxProgram:
+    """A parsed ONNX graph: nodes in order, constant tensors, and its conv layers."""
+
+    path: Path
+    nodes: Tuple[Node, ...]
+    constants: Dict[str, np.ndarray]
+    input_name: str
+    input_shape: Tuple[Optional[int], ...]  # None where the graph leaves a dimension free
+    output_names: Tuple[str, ...]
+    convs: Dict[str, ConvLayer]  # node name -> layer
+
+
+# --------------------------------------------------------------------------- operators
+
+def _pool(xp: Any, x: Any, attrs: Dict[str, Any], reduce: str) -> Any:
+    kh, kw = attrs["kernel_shape"]
+    sh, sw = attrs.get("strides", (1, 1))
+    top, left, bottom, right = attrs.get("pads", (0, 0, 0, 0))
+    n, c, h, w = x.shape
+    ceil = int(attrs.get("ceil_mode", 0))
+    rnd = (lambda a, b: -(-a // b)) if ceil else (lambda a, b: a // b)
+    ho = rnd(h + top + bottom - kh, sh) + 1
+    wo = rnd(w + left + right - kw, sw) + 1
+    # Extra bottom/right padding for ceil_mode; it never counts as data.
+    eh = max(0, (ho - 1) * sh + kh - (h + top + bottom))
+    ew = max(0, (wo - 1) * sw + kw - (w + left + right))
+    fill = -np.inf if reduce == "max" else 0.0
+    xpad = xp.full((n, c, h + top + bottom + eh, w + left + right + ew), fill, dtype=x.dtype)
+    xpad[:, :, top:top + h, left:left + w] = x
+    acc = None
+    for i in range(kh):
+        for j in range(kw):
+            win = xpad[:, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw]
+            acc = win if acc is None else (xp.maximum(acc, win) if reduce == "max" else acc + win)
+    if reduce == "max":
+        return acc
+    if int(attrs.get("count_include_pad", 0)):
+        return acc / (kh * kw)
+    ones = xp.zeros((1, 1) + xpad.shape[2:], dtype=x.dtype)
+    ones[:, :, top:top + h, left:left + w] = 1
+    count = sum(ones[:, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw]
+                for i in range(kh) for j in range(kw))
+    return acc / count
+
+
+def _gemm(xp: Any, a: Any, b: Any, c: Any, attrs: Dict[str, Any]) -> Any:
+    a = a.T if int(attrs.get("transA", 0)) else a
+    b = b.T if int(attrs.get("transB", 0)) else b
+    y = float(attrs.get("alpha", 1.0)) * (a @ b)
+    return y if c is None else y + float(attrs.get("beta", 1.0)) * c
+
+
+def _reshape(x: Any, shape: np.ndarray, allowzero: int) -> Any:
+    dims = [int(d) for d in shape]
+    if not allowzero:  # ONNX: a 0 copies the input's dimension
+        dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
+    return x.reshape(dims)
+
+
+def _softmax(xp: Any, x: Any, axis: int) -> Any:
+    e = xp.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _batchnorm(xp: Any, x: Any, scale: Any, bias: Any, mean: Any, var: Any, eps: float) -> Any:
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    inv = scale / xp.sqrt(var + eps)
+    return x * inv.reshape(shape) + (bias - mean * inv).reshape(shape)
+
+
+def _host_ints(a: Any) -> np.ndarray:
+    return np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.int64)
+
+
+def _unsqueeze(x: Any, axes: Sequence[int]) -> Any:
+    for ax in sorted(int(a) % (x.ndim + len(axes)) for a in axes):
+        x = x.reshape(x.shape[:ax] + (1,) + x.shape[ax:])
+    return x
+
+
+def _binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    return lambda xp, n, a, b: fn(a, b)
+
+
+# op -> f(xp, node, *inputs); absent optional inputs arrive as None. Shape
+# arithmetic (Shape, Gather, Unsqueeze, Concat on shapes) stays on the host.
+OPS: Dict[str, Callable[..., Any]] = {
+    "Relu": lambda xp, n, x: xp.maximum(x, 0),
+    "LeakyRelu": lambda xp, n, x: xp.where(x >= 0, x, x * float(n.attrs.get("alpha", 0.01))),
+    "Sigmoid": lambda xp, n, x: 1 / (1 + xp.exp(-x)),
+    "Tanh": lambda xp, n, x: xp.tanh(x),
+    "Clip": lambda xp, n, x, lo=None, hi=None: xp.clip(
+        x, -np.inf if lo is None else float(lo), np.inf if hi is None else float(hi)),
+    "MaxPool": lambda xp, n, x: _pool(xp, x, n.attrs, "max"),
+    "AveragePool": lambda xp, n, x: _pool(xp, x, n.attrs, "mean"),
+    "GlobalAveragePool": lambda xp, n, x: x.mean(axis=(2, 3), keepdims=True),
+    "GlobalMaxPool": lambda xp, n, x: x.max(axis=(2, 3), keepdims=True),
+    "Flatten": lambda xp, n, x: x.reshape(int(np.prod(x.shape[:int(n.attrs.get("axis", 1))])), -1),
+    "Reshape": lambda xp, n, x, shape: _reshape(x, _host_ints(shape), int(n.attrs.get("allowzero", 0))),
+    "Gemm": lambda xp, n, a, b, c=None: _gemm(xp, a, b, c, n.attrs),
+    "MatMul": _binary(lambda a, b: a @ b),
+    "Add": _binary(lambda a, b: a + b),
+    "Sub": _binary(lambda a, b: a - b),
+    "Mul": _binary(lambda a, b: a * b),
+    "Div": _binary(lambda a, b: a / b),
+    "BatchNormalization": lambda xp, n, x, s, b, m, v: _batchnorm(xp, x, s, b, m, v,
+                                                                  float(n.attrs.get("epsilon", 1e-5))),
+    "Softmax": lambda xp, n, x: _softmax(xp, x, int(n.attrs.get("axis", -1))),
+    "Concat": lambda xp, n, *xs: (np.concatenate([_host_ints(a) for a in xs]) if all(
+        isinstance(a, np.ndarray) and a.dtype == np.int64 for a in xs)
+        else xp.concatenate([xp.asarray(a) for a in xs], axis=int(n.attrs["axis"]))),
+    "Identity": lambda xp, n, x: x,
+    "Dropout": lambda xp, n, x, *_: x,  # inference: identity
+    "Shape": lambda xp, n, x: np.asarray(x.shape, dtype=np.int64),
+    "Gather": lambda xp, n, x, idx: (np.take(x, _host_ints(idx), axis=int(n.attrs.get("axis", 0)))
+                                     if isinstance(x, np.ndarray) and x.dtype == np.int64
+                                     else xp.take(x, xp.asarray(_host_ints(idx)), axis=int(n.attrs.get("axis", 0)))),
+    "Unsqueeze": lambda xp, n, x, axes=None: _unsqueeze(
+        x, n.attrs["axes"] if axes is None else _host_ints(axes).tolist()),
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxProgram:
+    """Parse an ONNX model for running. Raises ModelError naming the file and
+    node for anything the runner cannot execute."""
+    path = Path(path)
+    pruned = load_model(path, "onnx", None, input_size)  # validates every Conv node
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in constants]
+    if len(inputs) != 1:
+        raise ModelError(f"{path}: the runner needs exactly one graph input, found {[i.name for i in inputs]}")
+    dims = [d.dim_value or None for d in inputs[0].type.tensor_type.shape.dim]
+    if input_size is not None and len(dims) == 4:
+        dims[2:] = input_size
+    convs = {layer.name: layer for layer in pruned.layers}
+    nodes = []
+    for i, nd in enumerate(graph.node):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+        name = nd.name or f"{nd.op_type.lower()}{i}"
+        if nd.op_type == "Conv":
+            name = nd.name or f"conv{i}"  # the name model.load_model gave the layer
+        elif nd.op_type == "Constant":
+            if "value" not in attrs:
+                raise ModelError(f"{path}: Constant node {name}: only the 'value' attribute is supported")
+            constants[nd.output[0]] = numpy_helper.to_array(attrs["value"])
+            continue
+        elif nd.op_type not in OPS:
+            raise ModelError(f"{path}: node {name} has operator {nd.op_type}, which `sparseconv run` does not "
+                             f"support (supported: Conv, Constant, {', '.join(sorted(OPS))}); use the PyTorch "
+                             "drop-in sparseconv.torch.sparsify for other models")
+        if nd.op_type in ("MaxPool", "AveragePool") and any(d != 1 for d in attrs.get("dilations", (1, 1))):
+            raise ModelError(f"{path}: node {name}: pooling dilations {attrs['dilations']} are not supported")
+        if nd.op_type in ("MaxPool", "AveragePool") and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise ModelError(f"{path}: node {name}: pooling auto_pad is not supported; export with explicit pads")
+        nodes.append(Node(nd.op_type, name, tuple(nd.input), tuple(nd.output), attrs))
+    return OnnxProgram(path, tuple(nodes), constants, inputs[0].name, tuple(dims),
+                       tuple(o.name for o in graph.output), convs)
+
+
+# --------------------------------------------------------------------------- execution
+
+def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, Any], Any],
+            dtype: Any) -> List[Any]:
+    """Run the graph on input x with array module xp; conv(layer, x) computes each Conv."""
+    values: Dict[str, Any] = {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" else a
+                              for name, a in program.constants.items()}
+    values[program.input_name] = xp.asarray(x, dtype=dtype)
+    for node in program.nodes:
+        try:
+            if node.op == "Conv":
+                out = conv(program.convs[node.name], values[node.inputs[0]])
+            else:
+                args = [values[i] if i else None for i in node.inputs]
+                out = OPS[node.op](xp, node, *args)
+        except KeyError as exc:
+            raise ModelError(f"{program.path}: node {node.name} ({node.op}): input {exc} is not produced "
+                             "by any earlier node") from None
+        values[node.outputs[0]] = out
+    return [values[name] for name in program.output_names]
+
+
+def conv2d_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
+    """Dense float64 convolution (the reference): sliding windows + tensordot."""
+    s = layer.shape
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    w = layer.weight.astype(np.float64)
+    xpad = np.pad(np.asarray(x, np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    span = (dh * (s.kernel_h - 1) + 1, dw * (s.kernel_w - 1) + 1)
+    win = np.lib.stride_tricks.sliding_window_view(xpad, span, axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
+    cg, kg = s.in_channels // s.groups, s.out_channels // s.groups
+    parts = [np.tensordot(win[:, g * cg:(g + 1) * cg], w[g * kg:(g + 1) * kg], axes=([1, 4, 5], [1, 2, 3]))
+             for g in range(s.groups)]
+    y = np.concatenate(parts, axis=3).transpose(0, 3, 1, 2)
+    if layer.bias is not None:
+        y = y + layer.bias.astype(np.float64)[None, :, None, None]
+    return np.ascontiguousarray(y)
+
+
+def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
+    """The dense reference: the whole graph in float64 NumPy on the CPU."""
+    x = x.get() if hasattr(x, "get") else np.asarray(x)
+    return execute(program, x, np, conv2d_dense, np.float64)
+
+
+class SparseModel:
+    """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy."""
+
+    def __init__(self, program: OnnxProgram, kernels: Dict[str, Any]) -> None:
+        self.program = program
+        self.kernels = kernels  # layer name -> Conv2dKernel
+
+    def _conv(self, layer: ConvLayer, x: Any) -> Any:
+        import cupy
+
+        return self.kernels[layer.name](cupy.ascontiguousarray(x))
+
+    def run(self, x: Any) -> List[Any]:
+        """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
+        import cupy
+
+        return execute(self.program, x, cupy, self._conv, cupy.float32)
+
+    def __call__(self, x: Any) -> Any:
+        return self.run(x)[0]
+
+
+def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
+                  jobs: Optional[int] = None, progress: bool = False) -> SparseModel:
+    """Compile every Conv of an ONNX model (in parallel) and load the kernels on
+    the current GPU. stats['seconds'] of each kernel says where time went."""
+    from .assemble import device_target
+    from .batch import LayerJob, build_many
+    from .kernel import Conv2dKernel
+
+    program = load_program(path, input_size)
+    layers = list(program.convs.values())
+    built = build_many([LayerJob(layer.name, layer.weight, layer.shape) for layer in layers],
+                       target=device_target(), cache_dir=cache_dir, workers=jobs, progress=progress)
+    kernels = {}
+    for layer in layers:
+        t = time.perf_counter()
+        kernels[layer.name] = Conv2dKernel(built[layer.name], layer.bias)
+        kernels[layer.name].stats["seconds"] = dict(kernels[layer.name].stats["seconds"],
+                                                    load=time.perf_counter() - t)
+    return SparseModel(program, kernels)
+
+
+# --------------------------------------------------------------------------- data
+
+_INPUT_KEYS = ("x", "image", "images", "input", "data")
+_LABEL_KEYS = ("label", "labels", "y", "target", "targets")
+
+
+def _read_arrays(path: Path, program: OnnxProgram, input_key: Optional[str],
+                 label_key: Optional[str]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    loaded = np.load(path, allow_pickle=False)
+    if isinstance(loaded, np.ndarray):
+        if input_key or label_key:
+            raise ModelError(f"{path}: a .npy file holds one array; --input-key/--label-key need an .npz")
+        return loaded, None
+    with loaded:
+        keys = list(loaded.files)
+        key = input_key or next((k for k in (program.input_name,) + _INPUT_KEYS if k in keys),
+                                keys[0] if len(keys) == 1 else None)
+        if key is None or key not in keys:
+            raise ModelError(f"{path}: no input array {'named ' + repr(input_key) if input_key else 'found'} "
+                             f"(arrays: {', '.join(keys)}); pass --input-key")
+        lkey = label_key or next((k for k in _LABEL_KEYS if k in keys), None)
+        if label_key and label_key not in keys:
+            raise ModelError(f"{path}: no label array named {label_key!r} (arrays: {', '.join(keys)})")
+        return loaded[key], (loaded[lkey] if lkey else None)
+
+
+def load_data(path: Path, program: OnnxProgram, input_key: Optional[str] = None,
+              label_key: Optional[str] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """Inputs (N, C, H, W) float32 and optional labels (N,) from a .npy or .npz
+    file (no pickle). Raises ModelError saying what was found and expected."""
+    path = Path(path)
+    try:
+        x, labels = _read_arrays(path, program, input_key, label_key)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        if isinstance(exc, ModelError):
+            raise
+        raise ModelError(f"{path}: cannot read data as .npy or .npz ({type(exc).__name__}: {exc})") from None
+    if x.dtype.kind != "f":
+        raise ModelError(f"{path}: inputs must be floating point (scaled as in training), got {x.dtype}")
+    want = program.input_shape
+    if x.ndim != len(want) or any(w is not None and w != g for w, g in zip(want[1:], x.shape[1:])):
+        shown = "x".join("N" if i == 0 else str(d or "?") for i, d in enumerate(want))
+        raise ModelError(f"{path}: inputs have shape {x.shape}, the model's input {program.input_name} is {shown}")
+    if labels is not None and (labels.ndim != 1 or len(labels) != len(x) or labels.dtype.kind not in "iu"):
+        raise ModelError(f"{path}: labels must be {len(x)} integers, got {labels.dtype} {labels.shape}")
+    return np.ascontiguousarray(x, dtype=np.float32), labels
+
+
+def predict(forward: Callable[[np.ndarray], Any], x: np.ndarray, batch_size: int) -> np.ndarray:
+    """The first output for every input, batch by batch, as a host float array."""
+    outs = []
+    for i in range(0, len(x), batch_size):
+        y = forward(x[i:i + batch_size])
+        outs.append(y.get() if hasattr(y, "get") else np.asarray(y))
+    return np.concatenate(outs) if outs else np.zeros((0,), np.float32)
