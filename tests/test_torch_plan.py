@@ -1,0 +1,52 @@
+"""CPU: which nn.Conv2d layers sparseconv.torch.sparsify would compile, and why
+the others stay (runs the model once on the CPU; no GPU needed)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from sparseconv.torch import plan, sparsify  # noqa: E402
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.same = nn.Conv2d(8, 8, 3, padding="same", dilation=2)
+        self.even_same = nn.Conv2d(8, 8, 2, padding="same")
+        self.reflect = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.shared = nn.Conv2d(8, 8, 1)
+        self.unused = nn.Conv2d(8, 8, 1)
+        self.f64 = nn.Conv2d(8, 8, 1).double()
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        x = self.reflect(self.even_same(self.same(self.stem(x))))
+        x = self.shared(x)
+        x = self.shared(self.pool(x))  # a second input size for the same module
+        return self.f64(x.double()).float()
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's own, for even_same
+def test_plan_says_which_convs_compile_and_why_the_others_stay():
+    m = Mixed()
+    with torch.no_grad():
+        m.stem.weight[:, :, 0] = 0  # 1/3 zeros
+    plans = {p.name: p for p in plan(m, torch.randn(2, 3, 10, 12), min_sparsity=0.0)}
+    assert plans["stem"].action == "sparseconv" and plans["stem"].shape.in_h == 10
+    assert abs(plans["stem"].sparsity - 1 / 3) < 1e-6
+    assert plans["same"].action == "sparseconv" and plans["same"].shape.padding == (2, 2)
+    assert plans["same"].shape.out_h == 10
+    assert "asymmetric" in plans["even_same"].reason
+    assert "reflect" in plans["reflect"].reason
+    assert "several input sizes" in plans["shared"].reason
+    assert "not called" in plans["unused"].reason
+    assert "float64" in plans["f64"].reason
+    high = {p.name: p for p in plan(m, torch.randn(1, 3, 10, 12), min_sparsity=0.3)}
+    assert high["stem"].action == "sparseconv" and high["same"].action == "kept"
+    assert "min_sparsity" in high["same"].reason
+
+
+def test_sparsify_needs_a_cuda_example():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        sparsify(Mixed(), torch.randn(1, 3, 10, 12))
