@@ -11,9 +11,9 @@ immediates). Exact fp32.
 __version__ = "0.1.0"
 
 from .build import CompiledLayer, build_conv2d  # noqa: E402
-from .kernel import Conv2dKernel, compile_conv2d  # noqa: E402
+from .kernel import Conv2dKernel, DenseConv2dKernel, compile_conv2d  # noqa: E402
 from .runner import SparseModel, compile_model  # noqa: E402
 from .shapes import ConvShape, Target, Tiling, default_tiling  # noqa: E402
 
-__all__ = ["compile_conv2d", "Conv2dKernel", "compile_model", "SparseModel", "build_conv2d", "CompiledLayer", "ConvShape", "Tiling",
+__all__ = ["compile_conv2d", "Conv2dKernel", "DenseConv2dKernel", "compile_model", "SparseModel", "build_conv2d", "CompiledLayer", "ConvShape", "Tiling",
            "Target", "default_tiling", "__version__"]

@@ -6,7 +6,7 @@ On-disk layout (CACHE_FORMAT_VERSION = 1)
 
   root    default_cache_dir(): $SPARSECONV_CACHE_DIR, else <checkout>/ptx_cache,
           else $XDG_CACHE_HOME/sparseconv (~/.cache/sparseconv).
-  kind    one of KINDS ("template", "kernel").
+  kind    one of KINDS ("template", "kernel", "tuning").
   key     cache_key(...): 64 lowercase hex digits (sha256 over length-prefixed
           parts, with CACHE_FORMAT_VERSION mixed in).
   suffix  e.g. ".ptx", ".cubin", ".json".
@@ -39,7 +39,8 @@ from typing import Iterable
 
 CACHE_FORMAT_VERSION = 1
 
-KINDS: tuple[str, ...] = ("template", "kernel")
+# tuning: the tiling (and backend) an autotune run chose for a layer on a device.
+KINDS: tuple[str, ...] = ("template", "kernel", "tuning")
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 _SUFFIX_RE = re.compile(r"\.[a-z0-9]{1,16}")

@@ -280,8 +280,10 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @click.option("--label-key", default=None, help="Label array in the .npz (default: label(s), y or target).")
 @input_size_option
 @click.option("--batch-size", type=click.IntRange(1), default=256, show_default=True)
-@click.option("--backend", type=click.Choice(["sparseconv", "reference"]), default="sparseconv",
-              show_default=True, help="reference: the dense float64 model on the CPU, no GPU needed.")
+@click.option("--backend", type=click.Choice(["sparseconv", "auto", "reference"]), default="sparseconv",
+              show_default=True, help="auto: per layer, cuDNN strict fp32 where it measured faster (needs torch); "
+              "reference: the dense float64 model on the CPU, no GPU needed.")
+@click.option("--autotune", is_flag=True, help="Choose each layer's tiling by timing candidates (cached).")
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
@@ -290,7 +292,7 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
               help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
-        batch_size: int, backend: str, check: bool, output: Optional[Path], jobs: Optional[int],
+        batch_size: int, backend: str, autotune: bool, check: bool, output: Optional[Path], jobs: Optional[int],
         cache_dir: Optional[Path], as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
 
@@ -304,6 +306,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
     from .model import detect_format
     from .runner import compile_model, load_data, load_program, predict, run_reference
 
+    if autotune and backend == "reference":
+        raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
     if output is not None and output.suffix != ".npy":
         raise click.UsageError(f"{output}: the output file must end in .npy")
     try:
@@ -337,7 +341,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
             t = time.perf_counter()
             sparse = compile_model(model, input_size=program.input_shape[2:] if input_size else None,
                                    cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
-                                   progress=not as_json)
+                                   progress=not as_json, tiling="auto" if autotune else None,
+                                   backend=backend, tune_batch=batch_size)
             summary["compile_s"] = round(time.perf_counter() - t, 4)
         except (ToolNotFoundError, CacheError, CompileError) as exc:
             raise click.ClickException(str(exc)) from None
@@ -347,6 +352,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         y = predict(sparse, x, batch_size)
         summary["run_s"] = round(time.perf_counter() - t, 4)
         summary["conv_layers"] = len(sparse.kernels)
+        summary["layers"] = {name: {"backend": k.backend, "tiling": k.stats["tiling"],
+                                    "tuning": k.stats.get("tuning")} for name, k in sparse.kernels.items()}
     summary["output_shape"] = list(y.shape)
     if labels is not None and y.ndim == 2:
         summary["accuracy"] = float(np.mean(y.argmax(1) == labels))
@@ -366,8 +373,13 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         click.echo(json.dumps(summary, indent=2))
         return
     click.echo(f"{model.name}: {len(x)} inputs through {backend}"
-               + (f" ({summary['conv_layers']} conv layers as sparseconv kernels; compile+load "
-                  f"{summary['compile_s']:.2f} s, run {summary['run_s']:.3f} s)" if backend == "sparseconv" else ""))
+               + (f" ({summary['conv_layers']} conv layers compiled; compile+load "
+                  f"{summary['compile_s']:.2f} s, run {summary['run_s']:.3f} s)" if backend != "reference" else ""))
+    if backend == "auto" or autotune:
+        for name, info in summary["layers"].items():
+            times = info["tuning"]["times_us"]
+            click.echo(f"  {name}: {info['backend']}, tiling {info['tiling']}; timed (us): "
+                       + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
     if "accuracy" in summary:
         click.echo(f"accuracy: {summary['accuracy']:.4f} ({int(round(summary['accuracy'] * len(x)))}/{len(x)})")
     if "same_predictions" in summary:

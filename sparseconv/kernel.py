@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .assemble import device_target, load_kernel
 from .build import CompiledLayer, build_conv2d
 from .cache import ArtifactCache
-from .shapes import IntPair, Tiling, shape_from_weight
+from .shapes import ConvShape, IntPair, Tiling, default_tiling, shape_from_weight
 
 MAX_GRID_Z = 65535  # gridDim.z limit: bigger batches are launched in slices
 
@@ -33,6 +33,8 @@ class Conv2dKernel:
     C-contiguous CUDA array (CuPy, or anything with __cuda_array_interface__ /
     DLPack such as a torch tensor) and y a CuPy (N, K, Ho, Wo) array. The launch
     is asynchronous on `stream` (default: CuPy's current stream)."""
+
+    backend = "sparseconv"
 
     def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray]) -> None:
         import cupy
@@ -132,13 +134,35 @@ class Conv2dKernel:
 
     def __repr__(self) -> str:
         s = self.stats
-        return (f"Conv2dKernel({self.layer.name}: {self.shape.describe()}, {s.get('nonzero_weights')}/"
-                f"{s.get('weights')} nonzero weights, {s.get('fmas_deleted')} FMAs deleted)")
+        return (f"{type(self).__name__}({self.layer.name}: {self.shape.describe()}, {s.get('nonzero_weights')}/"
+                f"{s.get('weights')} nonzero weights, {s.get('fmas_deleted')} FMAs deleted, "
+                f"backend {self.backend})")
+
+
+class DenseConv2dKernel(Conv2dKernel):
+    """What backend="auto" returns where cuDNN measured faster than the
+    specialised kernel: the same call contract, computed by torch's conv2d in
+    strict fp32 on the same stream."""
+
+    backend = "dense"
+
+    def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray], weight: np.ndarray) -> None:
+        from .tune import dense_conv2d
+
+        super().__init__(layer, bias)
+        dense = dense_conv2d(weight, bias, layer.shape)
+        if dense is None:
+            raise RuntimeError(f"{layer.name}: the dense path needs torch with CUDA")
+        self._dense = dense
+
+    def _launch(self, x: Any, out: Any) -> None:
+        self._dense(x, out)
 
 
 def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
                    padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
-                   tiling: Optional[Tiling] = None, cache_dir: Union[str, None] = None,
+                   tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
+                   tune_batch: int = 64, cache_dir: Union[str, None] = None,
                    name: str = "conv") -> Conv2dKernel:
     """Compile a pruned conv layer into a kernel specialised to its weights.
 
@@ -146,7 +170,18 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     input_size: (H, W) of the input images. bias: (K,) or None. stride, padding,
     dilation: int or pair, as torch.nn.functional.conv2d. The batch size is free
     at call time. Builds for the current CUDA device; artifacts are cached in
-    cache_dir (default: $SPARSECONV_CACHE_DIR or ptx_cache/)."""
+    cache_dir (default: $SPARSECONV_CACHE_DIR or ptx_cache/).
+
+    tiling: None (the default heuristic), a Tiling, or "auto": time a bounded
+    set of candidate tilings at batch `tune_batch` and keep the fastest.
+    backend: "sparseconv", or "auto" (opt-in): also time cuDNN strict fp32
+    (needs torch) and return a DenseConv2dKernel where it was faster. Tuning
+    results are cached, so a second compile does not tune again;
+    kernel.stats["tuning"] holds the times and the choice."""
+    if backend not in ("sparseconv", "auto"):
+        raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
+    if isinstance(tiling, str) and tiling != "auto":
+        raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
     w = _host_array(weight, f"{name}: weight")
     shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
     b = None
@@ -154,9 +189,46 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         b = _host_array(bias, f"{name}: bias")
         if b.shape != (shape.out_channels,):
             raise ValueError(f"{name}: bias must have shape ({shape.out_channels},), got {b.shape}")
-    layer = build_conv2d(w, shape, tiling=tiling, target=device_target(), cache=ArtifactCache(cache_dir),
-                         name=name)
+    cache, target = ArtifactCache(cache_dir), device_target()
+    tuning = None
+    if tiling == "auto" or backend == "auto":
+        from .tune import DENSE, tune_conv2d
+
+        candidates = None if tiling == "auto" else [tiling or default_tiling(shape)]
+        layer, tuning = tune_conv2d(w, shape, b, target=target, cache=cache, name=name, batch=tune_batch,
+                                    tilings=candidates, consider_dense=backend == "auto")
+    else:
+        layer = build_conv2d(w, shape, tiling=tiling, target=target, cache=cache, name=name)
     t = time.perf_counter()
-    kernel = Conv2dKernel(layer, b)
+    kernel = DenseConv2dKernel(layer, b, w) if tuning and tuning.backend == DENSE else Conv2dKernel(layer, b)
     kernel.stats["seconds"] = dict(kernel.stats["seconds"], load=time.perf_counter() - t)
+    if tuning is not None:
+        kernel.stats["tuning"] = tuning.as_dict()
     return kernel
+
+
+def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray], ConvShape]], *,
+                   tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
+                   cache_dir: Optional[str] = None, jobs: Optional[int] = None,
+                   progress: bool = False) -> Dict[str, Conv2dKernel]:
+    """Compile and load many (name, weight, bias, shape) layers on the current
+    GPU; name -> kernel. Without tuning they build in parallel (a process pool);
+    with tiling="auto" or backend="auto" each layer's candidates build in
+    parallel, one layer after another, then are timed."""
+    from .batch import LayerJob, build_many
+
+    kernels: Dict[str, Conv2dKernel] = {}
+    if tiling == "auto" or backend == "auto":
+        for name, w, b, shape in layers:
+            kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b, stride=shape.stride,
+                                           padding=shape.padding, dilation=shape.dilation, groups=shape.groups,
+                                           tiling=tiling, backend=backend, tune_batch=tune_batch,
+                                           cache_dir=cache_dir, name=name)
+        return kernels
+    built = build_many([LayerJob(name, w, shape) for name, w, _, shape in layers], target=device_target(),
+                       cache_dir=cache_dir, workers=jobs, progress=progress)
+    for name, _, b, _ in layers:
+        t = time.perf_counter()
+        kernels[name] = Conv2dKernel(built[name], b)
+        kernels[name].stats["seconds"] = dict(kernels[name].stats["seconds"], load=time.perf_counter() - t)
+    return kernels

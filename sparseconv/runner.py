@@ -267,23 +267,17 @@ class SparseModel:
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
-                  jobs: Optional[int] = None, progress: bool = False) -> SparseModel:
+                  jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
+                  backend: str = "sparseconv", tune_batch: int = 64) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
-    the current GPU. stats['seconds'] of each kernel says where time went."""
-    from .assemble import device_target
-    from .batch import LayerJob, build_many
-    from .kernel import Conv2dKernel
+    the current GPU. tiling="auto" / backend="auto" tune each layer (see
+    sparseconv.tune); each kernel's .backend says which path it took."""
+    from .kernel import compile_layers
 
     program = load_program(path, input_size)
-    layers = list(program.convs.values())
-    built = build_many([LayerJob(layer.name, layer.weight, layer.shape) for layer in layers],
-                       target=device_target(), cache_dir=cache_dir, workers=jobs, progress=progress)
-    kernels = {}
-    for layer in layers:
-        t = time.perf_counter()
-        kernels[layer.name] = Conv2dKernel(built[layer.name], layer.bias)
-        kernels[layer.name].stats["seconds"] = dict(kernels[layer.name].stats["seconds"],
-                                                    load=time.perf_counter() - t)
+    kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
+                             tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
+                             jobs=jobs, progress=progress)
     return SparseModel(program, kernels)
 
 

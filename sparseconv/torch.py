@@ -15,7 +15,7 @@ the kernels have no backward, so an input that requires grad is refused.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -31,7 +31,7 @@ class ConvPlan:
     """What sparsify does with one nn.Conv2d: compile it, or keep it and why."""
 
     name: str
-    action: str                  # "sparseconv" or "kept"
+    action: str                  # "sparseconv", "dense" (backend="auto" measured cuDNN faster) or "kept"
     reason: str                  # why it was kept ("" when compiled)
     sparsity: float
     shape: Optional[ConvShape]   # None when the conv cannot be compiled
@@ -136,10 +136,11 @@ class SparseConv2d(nn.Module):
     def extra_repr(self) -> str:
         st = self.kernel.stats
         return (f"{self.layer_name}: {self.kernel.shape.describe()}, {st['nonzero_weights']}/{st['weights']} "
-                f"nonzero weights, tiling {st['tiling']}")
+                f"nonzero weights, tiling {st['tiling']}, backend {self.kernel.backend}")
 
 
 def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0,
+             tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
              cache_dir: Optional[str] = None, jobs: Optional[int] = None, progress: bool = False,
              inplace: bool = False) -> nn.Module:
     """Return `model` with each eligible nn.Conv2d replaced by a SparseConv2d.
@@ -147,12 +148,14 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     model and example_input must be on one CUDA device. Convs that are not
     float32, use a non-zero padding_mode, see several input sizes, or are less
     sparse than `min_sparsity` stay as they are. The layers compile in parallel
-    (`jobs` processes) and are cached in `cache_dir`. A deep copy is changed
-    unless inplace=True. The result's `sparseconv_plan` lists every conv's path."""
+    (`jobs` processes) and are cached in `cache_dir`. tiling="auto" times
+    candidate tilings per layer; backend="auto" also times cuDNN strict fp32
+    and runs the layer through it where it was faster. A deep copy is changed
+    unless inplace=True. The result's `sparseconv_plan` lists every conv's path
+    ("sparseconv", "dense" or "kept") and why."""
     import cupy
 
-    from .assemble import device_target
-    from .batch import LayerJob, build_many
+    from .kernel import compile_layers
 
     if not isinstance(example_input, torch.Tensor) or not example_input.is_cuda:
         raise ValueError("sparsify: example_input must be a CUDA tensor (the model runs on the GPU); "
@@ -166,15 +169,20 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     model = model if inplace else copy.deepcopy(model)
     convs = {name or "conv": m for name, m in model.named_modules()}
     chosen = [p for p in plans if p.action == "sparseconv"]
-    replacements: Dict[int, SparseConv2d] = {}
+
+    def host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+        return None if t is None else t.detach().cpu().numpy().astype(np.float32)
+
     with cupy.cuda.Device(device.index):
-        jobs_ = [LayerJob(p.name, convs[p.name].weight.detach().cpu().numpy().astype(np.float32), p.shape)
-                 for p in chosen]
-        built = build_many(jobs_, target=device_target(), cache_dir=cache_dir, workers=jobs, progress=progress)
-        for p in chosen:
-            conv = convs[p.name]
-            bias = None if conv.bias is None else conv.bias.detach().cpu().numpy().astype(np.float32)
-            replacements[id(conv)] = SparseConv2d(Conv2dKernel(built[p.name], bias), p.name)
+        kernels = compile_layers([(p.name, host(convs[p.name].weight), host(convs[p.name].bias), p.shape)
+                                  for p in chosen], tiling=tiling, backend=backend, tune_batch=tune_batch,
+                                 cache_dir=cache_dir, jobs=jobs, progress=progress)
+    replacements = {id(convs[p.name]): SparseConv2d(kernels[p.name], p.name) for p in chosen}
+    for i, p in enumerate(plans):
+        if p.name in kernels and kernels[p.name].backend == "dense":
+            t = kernels[p.name].stats["tuning"]["times_us"]
+            plans[i] = replace(p, action="dense", reason=f"cuDNN measured faster ({t['dense']:.1f} us vs "
+                               f"{min(v for k, v in t.items() if k != 'dense'):.1f} us)")
     # Swap in every parent that holds a chosen conv (a conv shared by two
     # parents is swapped in both).
     for parent in model.modules():

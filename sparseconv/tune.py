@@ -1,0 +1,128 @@
+"""Autotuning: choose a layer's tiling, and optionally sparse vs dense, by timing
+on the GPU. The choice is cached (cache kind "tuning") under the layer's weights,
+shape, device and batch, so compiling the same layer again does not tune again.
+
+    kernel = compile_conv2d(w, input_size=(56, 56), padding=1, tiling="auto")
+    kernel = compile_conv2d(w, input_size=(56, 56), padding=1, backend="auto")
+    kernel.stats["tuning"]   # what was measured and chosen
+
+Timing: median of CUDA-event times over back-to-back launches
+(cupyx.profiler.benchmark) on a fresh random input of `batch` images. The dense
+candidate is torch.nn.functional.conv2d (cuDNN) in strict fp32 (TF32 off), since
+sparseconv promises exact fp32 either way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .batch import LayerJob, build_many
+from .build import SPECIALISER_VERSION, CompiledLayer, build_conv2d
+from .cache import ArtifactCache, cache_key
+from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
+
+SPARSE, DENSE = "sparseconv", "dense"
+
+
+@dataclass(frozen=True)
+class TuningResult:
+    tiling: Tiling                   # the fastest tiling (also kept when dense wins)
+    backend: str                     # SPARSE or DENSE
+    batch: int                       # the batch size it was timed at
+    times_us: Dict[str, float]       # tiling.describe() or "dense" -> median microseconds
+    device: str
+    cache_hit: bool
+    note: str = ""                   # e.g. why the dense path was not timed
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(tiling=self.tiling.describe(), backend=self.backend, batch=self.batch,
+                    times_us=self.times_us, device=self.device, cache_hit=self.cache_hit, note=self.note)
+
+
+def median_us(fn: Callable[[], Any], batch: int) -> float:
+    """Median device time of fn in microseconds (CUDA events, back-to-back launches)."""
+    from cupyx.profiler import benchmark
+
+    r = benchmark(fn, n_repeat=100 if batch <= 4 else 20, n_warmup=3)
+    return float(np.median(r.gpu_times[0]) * 1e6)
+
+
+def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape) -> Optional[Callable[..., Any]]:
+    """f(x_cupy, out_cupy): cuDNN strict fp32 through torch on CuPy's current
+    stream, or None when torch (with CUDA) is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import cupy
+
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    # Copies: torch refuses to share read-only NumPy memory.
+    w = torch.from_numpy(np.array(weight, np.float32)).to(dev)
+    b = None if bias is None else torch.from_numpy(np.array(bias, np.float32)).to(dev)
+
+    def run(x: Any, out: Any) -> None:
+        ptr = cupy.cuda.get_current_stream().ptr
+        stream = torch.cuda.default_stream(dev) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=dev)
+        saved = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False  # exact fp32, like the sparse kernel
+        try:
+            with torch.cuda.stream(stream), torch.no_grad():
+                y = torch.nn.functional.conv2d(torch.from_dlpack(x), w, b, shape.stride, shape.padding,
+                                               shape.dilation, shape.groups)
+                torch.from_dlpack(out).copy_(y)
+        finally:
+            torch.backends.cudnn.allow_tf32 = saved
+    return run
+
+
+def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray], *, target: Target,
+                cache: ArtifactCache, name: str, batch: int = 64, tilings: Optional[List[Tiling]] = None,
+                consider_dense: bool = False, jobs: Optional[int] = None) -> Tuple[CompiledLayer, TuningResult]:
+    """Time each candidate tiling (default: shapes.candidate_tilings plus the
+    default) and, with consider_dense, cuDNN strict fp32; return the fastest
+    sparse build and the choice. Needs a GPU (the current CuPy device)."""
+    import cupy
+
+    from .kernel import Conv2dKernel
+
+    if not tilings:
+        tilings = [default_tiling(shape)] + [t for t in candidate_tilings(shape) if t != default_tiling(shape)]
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    dense = dense_conv2d(weight, bias, shape) if consider_dense else None
+    key = cache_key("tuning", SPECIALISER_VERSION, weight.tobytes(), repr(shape), target.arch, device, str(batch),
+                    repr(sorted(t.describe() for t in tilings)), str(dense is not None))
+    note = "dense not timed: needs torch with CUDA" if consider_dense and dense is None else ""
+    hit = cache.get_json("tuning", key)
+    if hit is not None:
+        tiling = Tiling(**hit["tiling"])
+        layer = build_conv2d(weight, shape, tiling=tiling, target=target, cache=cache, name=name)
+        return layer, TuningResult(tiling, hit["backend"], batch, hit["times_us"], device, True, note)
+
+    t0 = time.perf_counter()
+    built = build_many([LayerJob(f"{name}#{i}", weight, shape, t) for i, t in enumerate(tilings)],
+                       target=target, cache_dir=str(cache.root), workers=jobs, progress=False)
+    rng = np.random.default_rng()
+    x = cupy.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
+    out = cupy.empty((batch, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
+    times: Dict[str, float] = {}
+    layers: Dict[str, CompiledLayer] = {}
+    for layer in built.values():
+        kernel = Conv2dKernel(layer, bias)
+        times[layer.tiling.describe()] = median_us(lambda: kernel(x, out=out), batch)
+        layers[layer.tiling.describe()] = layer
+    best = min(layers, key=lambda d: times[d])
+    backend = SPARSE
+    if dense is not None:
+        times[DENSE] = median_us(lambda: dense(x, out), batch)
+        backend = DENSE if times[DENSE] < times[best] else SPARSE
+    chosen = replace(layers[best], name=name)
+    cache.put_json("tuning", key, {"tiling": asdict(chosen.tiling), "backend": backend, "times_us": times,
+                                   "batch": batch, "device": device, "layer": name,
+                                   "seconds": time.perf_counter() - t0})
+    return chosen, TuningResult(chosen.tiling, backend, batch, times, device, False, note)
