@@ -23,9 +23,12 @@ class CompileError(RuntimeError):
     """A CUDA tool failed. Carries its log and the input it was given."""
 
     def __init__(self, tool: str, log: str, source: str, what: str) -> None:
-        self.tool, self.log, self.source = tool, log, source
+        self.tool, self.log, self.source, self.what = tool, log, source, what
         super().__init__(f"{tool} failed on {what}:\n{log.strip()}\n"
                          f"(call .dump() on this error for the numbered source)")
+
+    def __reduce__(self):  # picklable, so a build in a worker process reports it intact
+        return type(self), (self.tool, self.log, self.source, self.what)
 
     def dump(self) -> str:
         return "\n".join(f"{i + 1:5d}  {line}" for i, line in enumerate(self.source.splitlines()))

@@ -110,3 +110,14 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
     assert all(layer.stats["kernel_cache_hit"] for layer in again.values())
     with pytest.raises(ValueError, match="unique"):
         build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)
+
+
+def test_compile_error_survives_pickling():
+    """A build in a worker process reports its CompileError intact (it used to
+    break the process pool instead)."""
+    import pickle
+
+    from sparseconv.compile import CompileError
+
+    e = pickle.loads(pickle.dumps(CompileError("ptxas", "error: bad", "line 1\nline 2", "layer x")))
+    assert isinstance(e, CompileError) and "ptxas failed on layer x" in str(e) and "    2  line 2" in e.dump()
