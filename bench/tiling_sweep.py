@@ -1,11 +1,14 @@
 """Time candidate tilings of the benchmark layers, all in one run on one GPU.
 
-    python bench/tiling_sweep.py [--sparsity 0.9] [--kblocks 8 16 32] [--json out.json]
+    python bench/tiling_sweep.py [--sparsity 0.9] [--json out.json]
+    python bench/tiling_sweep.py --grid --kblocks 16 32 --thread-w 2 4 --thread-h 1 2 --threads 128 256 512
 
 Builds every (layer, tiling) in parallel first, then times each at batch 1 and
 64 (median of CUDA events over back-to-back launches), so ratios come from the
 same run."""
 import argparse
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 import json
 import sys
 import tempfile
@@ -18,10 +21,29 @@ from cupyx.profiler import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from reference import pruned_weight  # noqa: E402
-from sparseconv.batch import LayerJob, build_many  # noqa: E402
+from sparseconv.batch import LayerJob  # noqa: E402
+from sparseconv.build import build_conv2d  # noqa: E402
+from sparseconv.cache import ArtifactCache  # noqa: E402
 from sparseconv.kernel import Conv2dKernel  # noqa: E402
 from sparseconv.operators import benchmark_operators  # noqa: E402
-from sparseconv.shapes import candidate_tilings, default_tiling  # noqa: E402
+from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for  # noqa: E402
+
+
+def grid_tilings(shape, a):
+    """Every tiling_for() combination of the --grid options that serves the layer."""
+    out = []
+    for k in a.kblocks:
+        for tw in a.thread_w:
+            for th in a.thread_h:
+                for n in a.threads:
+                    try:
+                        t = tiling_for(shape, k, tw, th, n)
+                        check_tiling(shape, t)
+                    except ValueError:
+                        continue
+                    if min(t.k_block, shape.k_per_group) * t.thread_h * t.thread_w <= 64 and t not in out:
+                        out.append(t)
+    return out
 
 
 def main() -> None:
@@ -29,19 +51,40 @@ def main() -> None:
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--grid", action="store_true", help="candidates from the options below, not candidate_tilings")
+    p.add_argument("--kblocks", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--thread-w", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--thread-h", type=int, nargs="+", default=[1])
+    p.add_argument("--threads", type=int, nargs="+", default=[128])
+    p.add_argument("--layers", nargs="+", default=None, help="only these benchmark layers")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     a = p.parse_args()
     rng = np.random.default_rng(0)
     jobs, meta = [], {}
-    for op in benchmark_operators():
+    ops = [op for op in benchmark_operators() if a.layers is None or op.name in a.layers]
+    for op in ops:
         w = pruned_weight(rng, op.shape.weight_shape, a.sparsity)
-        tilings = [default_tiling(op.shape)] + [t for t in candidate_tilings(op.shape) if t != default_tiling(op.shape)]
+        more = grid_tilings(op.shape, a) if a.grid else candidate_tilings(op.shape)
+        tilings = [default_tiling(op.shape)] + [t for t in more if t != default_tiling(op.shape)]
         for i, t in enumerate(tilings):
             name = f"{op.name}#{i}"
             jobs.append(LayerJob(name, w, op.shape, t))
             meta[name] = (op, t, i == 0)
     t0 = time.perf_counter()
-    built = build_many(jobs, cache_dir=tempfile.mkdtemp(prefix="sparseconv-sweep-"))
-    print(f"built {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cache = tempfile.mkdtemp(prefix="sparseconv-sweep-")
+    built = {}
+    # One pool, each build on its own: a tiling that fails to build is reported and skipped.
+    with ProcessPoolExecutor(max_workers=a.workers) as pool:
+        futures = {pool.submit(build_conv2d, j.weight, j.shape, tiling=j.tiling, cache=ArtifactCache(cache),
+                               name=j.name): j.name for j in sorted(jobs, key=lambda j: -j.weight.size)}
+        for fut in as_completed(futures):
+            try:
+                built[futures[fut]] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"FAILED {futures[fut]} {meta[futures[fut]][1].describe()}: {str(exc)[:300]}",
+                      file=sys.stderr)
+    built = {j.name: built[j.name] for j in jobs if j.name in built}
+    print(f"built {len(built)}/{len(jobs)} kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = []
     for name, layer in built.items():
         op, t, is_default = meta[name]
@@ -58,9 +101,11 @@ def main() -> None:
           f"sparsity {a.sparsity}: best tiling per layer vs the default\n")
     print("| layer | N | default us | best us | best / default | best tiling |")
     print("|---|---|---|---|---|---|")
-    for op in benchmark_operators():
+    for op in ops:
         for batch in a.batches:
             sel = [r for r in rows if r["layer"] == op.name and r["batch"] == batch]
+            if not any(r["default"] for r in sel):
+                continue
             d = next(r for r in sel if r["default"])
             b = min(sel, key=lambda r: r["us"])
             print(f"| {op.name} | {batch} | {d['us']:.1f} | {b['us']:.1f} | {b['us'] / d['us']:.2f} | {b['tiling']} |")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Tuple, Union
 
 import numpy as np
@@ -187,22 +187,23 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
         raise ValueError(f"c_block={tiling.c_block} exceeds the {shape.c_per_group} input channels per group")
 
 
-def tiling_for(shape: ConvShape, k_block: int, thread_w: int) -> Tiling:
+def tiling_for(shape: ConvShape, k_block: int, thread_w: int, thread_h: int = 1, threads: int = 128) -> Tiling:
     """The tiling with this many output channels per block and outputs per
-    thread along W: about 128 threads, the largest c_block the body bound
+    thread: about `threads` threads, the largest c_block the body bound
     allows, shrunk until the input patch fits in shared memory."""
     k_block = min(k_block, shape.k_per_group)
     thread_w = min(thread_w, shape.out_w)
+    thread_h = min(thread_h, shape.out_h)
     threads_x = min(math.ceil(shape.out_w / thread_w), 32)
-    tile_h = max(1, min(shape.out_h, 128 // threads_x))
+    rows = max(1, min(math.ceil(shape.out_h / thread_h), threads // threads_x))
     rs = shape.kernel_h * shape.kernel_w
     t = Tiling(k_block, max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS // (k_block * rs))),
-               tile_h, threads_x * thread_w, 1, thread_w)
+               rows * thread_h, threads_x * thread_w, thread_h, thread_w)
     while t.c_block * patch_size(shape, t)[0] * patch_size(shape, t)[1] * 4 > MAX_PATCH_BYTES:
         if t.c_block > 1:
-            t = Tiling(k_block, max(1, t.c_block // 2), t.tile_h, t.tile_w, 1, thread_w)
-        elif t.tile_h > 1:
-            t = Tiling(k_block, 1, max(1, t.tile_h // 2), t.tile_w, 1, thread_w)
+            t = replace(t, c_block=max(1, t.c_block // 2))
+        elif t.tile_h > thread_h:
+            t = replace(t, tile_h=max(1, t.tile_h // thread_h // 2) * thread_h)
         else:
             raise ValueError(f"no tiling fits shared memory for {shape.describe()}")
     return t
