@@ -434,3 +434,9 @@ def cache_clear(cache_dir: Optional[Path]) -> None:
     """Remove every cache entry. Example: sparseconv cache clear"""
     c = _cache(cache_dir)
     click.echo(f"removed {c.clear()} files from {c.root}")
+
+
+# `sparseconv bench` lives in its own module (it needs torch/matplotlib only when run).
+from .bench_cli import bench  # noqa: E402
+
+main.add_command(bench)

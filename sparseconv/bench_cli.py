@@ -1,0 +1,142 @@
+"""The `sparseconv bench` command (library part: sparseconv/benchmark.py).
+
+Registered in cli.py with `main.add_command(bench)`; bench/bench_layers.py runs
+the same command as a script. Exit codes: 0 success, 1 no GPU / a build failed /
+a correctness check failed, 2 bad input (with a one-line reason)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import click
+
+from .benchmark import (SWEEP, BenchConfig, BenchError, BenchLayer, BenchResult, benchmark_layers, format_table,
+                        model_bench_layers, parse_baselines, parse_sparsities, plot_sweep, require_matplotlib,
+                        run_bench, select_layers)
+from .model import FORMATS
+
+
+def _layers(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
+            layer_globs: str) -> List[BenchLayer]:
+    if model_path is None:
+        layers = benchmark_layers()
+    else:
+        from .cli import _load  # imported here: cli.py registers this command, so no import at module level
+
+        layers = model_bench_layers(_load(model_path, fmt, spec_path, input_size))
+    try:
+        return select_layers(layers, layer_globs)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool) -> Tuple[float, ...]:
+    if model_path is not None and (sparsity is not None or sweep):
+        raise click.UsageError("--sparsity/--sweep do not apply with --model: the model's own weights are timed")
+    if sparsity is not None and sweep:
+        raise click.UsageError("give --sparsity or --sweep, not both")
+    if sweep:
+        return SWEEP
+    try:
+        return parse_sparsities(sparsity if sparsity is not None else "0.9")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sparsity") from None
+
+
+@click.command()
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Time this model's conv layers, with its own weights, instead of the 10 benchmark layers.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Model format (default: from the extension or the first bytes).")
+@click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Layer spec JSON for models without a __spec__ entry.")
+@click.option("--input-size", default=None, help="Model input H x W when the model does not fix it, e.g. 224.")
+@click.option("--layers", "layer_globs", default="*", show_default=True,
+              help="Only layers whose name matches one of these comma-separated globs, e.g. 'vgg-*,resnet-conv1'.")
+@click.option("--sparsity", default=None,
+              help="Sparsity of the random unstructured masks [default: 0.9]; a comma list times several.")
+@click.option("--sweep", is_flag=True, help="Sparsities " + ",".join(f"{s:g}" for s in SWEEP) + ".")
+@click.option("--batch", "batches", type=click.IntRange(1), multiple=True,
+              help="Batch size; repeat the option for several [default: 1 and 64].")
+@click.option("--baselines", "baselines_text", default="all", show_default=True,
+              help="Comma list among cudnn_fp32, cudnn_tf32, cublas_gemm, cusparse_spmm; or all, or none.")
+@click.option("--repeat", type=click.IntRange(1), default=50, show_default=True,
+              help="Timed calls (and graph replays) per figure.")
+@click.option("--max-seconds", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Cap on the timing loop of each figure; fewer repeats are taken past it.")
+@click.option("--graphs/--no-graphs", default=True, show_default=True,
+              help="Also time CUDA graph replays (launch overhead excluded).")
+@click.option("--cudnn-benchmark/--no-cudnn-benchmark", default=True, show_default=True,
+              help="Let cuDNN pick its fastest algorithm by measurement (the strongest dense baseline).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the environment, every row and the geomeans to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG of speedup over cuDNN fp32 against sparsity (needs a sweep and matplotlib).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel kernel builds (default: CPU count).")
+def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
+          layer_globs: str, sparsity: Optional[str], sweep: bool, batches: Tuple[int, ...], baselines_text: str,
+          repeat: int, max_seconds: float, graphs: bool, cudnn_benchmark: bool, seed: int,
+          json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path],
+          jobs: Optional[int]) -> None:
+    """Time sparseconv kernels against cuDNN fp32 and TF32 (torch), cuBLAS
+    im2col+GEMM and cuSPARSE im2col+SpMM, on one GPU in one run.
+
+    Prints a markdown table with the performance floor and the host call
+    latency beside each row, and the geomean speedups per batch. Every
+    output is checked against a reference. Examples:
+
+    \b
+        sparseconv bench --batch 64 --json bench.json
+        sparseconv bench --sweep --layers 'resnet-*,vgg-conv1' --plot sweep.png
+        sparseconv bench --model models/lenet_digits_pruned.onnx --batch 256
+    """
+    sparsities = _sparsities(model_path, sparsity, sweep)
+    try:
+        baselines = parse_baselines(baselines_text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--baselines") from None
+    if plot_path is not None:
+        if plot_path.suffix.lower() != ".png":
+            raise click.BadParameter(f"{plot_path}: the plot is a PNG; name it *.png", param_hint="--plot")
+        if model_path is not None or len(sparsities) < 2:
+            raise click.UsageError("--plot needs a sweep: --sweep or several --sparsity values")
+        try:
+            require_matplotlib()
+        except BenchError as exc:
+            raise click.UsageError(str(exc)) from None
+    layers = _layers(model_path, fmt, spec_path, input_size, layer_globs)
+    config = BenchConfig(batches=tuple(dict.fromkeys(batches)) or (1, 64), sparsities=sparsities,
+                         baselines=baselines, repeat=repeat, max_seconds=max_seconds, seed=seed,
+                         cache_dir=str(cache_dir) if cache_dir else None, graphs=graphs,
+                         cudnn_benchmark=cudnn_benchmark, jobs=jobs)
+    argv0 = Path(sys.argv[0]).name
+    prefix = ["sparseconv"] if argv0 == "sparseconv" else ["python", sys.argv[0]] if argv0.endswith(".py") else [argv0]
+    command = " ".join(shlex.quote(a) for a in prefix + sys.argv[1:])
+    result = _run(layers, config, command)
+    click.echo(format_table(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+    if plot_path is not None:
+        plotted = plot_sweep(result, str(plot_path))
+        click.echo(f"wrote {plot_path} (speedup over {plotted})", err=True)
+    failed = [r for r in result.rows if any(not c["ok"] for c in r["check"].values())]
+    if failed:
+        click.echo(f"error: {len(failed)} rows failed a correctness check (rel. L2 above the limit); "
+                   "see the check column", err=True)
+        sys.exit(1)
+
+
+def _run(layers: List[BenchLayer], config: BenchConfig, command: str) -> BenchResult:
+    from .compile import CompileError, ToolNotFoundError
+
+    try:
+        return run_bench(layers, config, command, log=lambda s: click.echo(s, err=True))
+    except (BenchError, ToolNotFoundError, CompileError) as exc:
+        raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None

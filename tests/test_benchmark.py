@@ -1,0 +1,316 @@
+"""`sparseconv bench`: the pure parts on the CPU (floor, geomean, im2col against
+the float64 reference, formatting, option errors, the no-GPU message) and a
+short real run on the GPU."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from reference import conv2d_reference
+from sparseconv import benchmark as bm
+from sparseconv.bench_cli import bench
+from sparseconv.shapes import ConvShape
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- floor and geomean
+
+def test_floor_matches_hand_computed_numbers():
+    vgg2 = ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1))
+    # memory-bound: 4 B x 64 images x (64 + 64) x 224 x 224 = 1,644,167,168 B at 3.0e12 B/s
+    assert bm.floor_us(vgg2, 64, 3618) == pytest.approx(548.0557, rel=1e-6)
+    alex2 = ConvShape(64, 192, 27, 27, 5, 5, (1, 1), (2, 2))
+    # compute-bound: 2 x 30955 x 64 x 27 x 27 = 2,888,472,960 FLOP at 66.9e12 FLOP/s
+    assert bm.floor_us(alex2, 64, 30955) == pytest.approx(43.1760, rel=1e-5)
+    assert bm.floor_us(alex2, 64, 0) == pytest.approx(15.9252, rel=1e-5)  # no FMAs left: bytes alone
+
+
+def test_geomean():
+    assert bm.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert bm.geomean([0.5, 2.0, 1.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        bm.geomean([1.0, 0.0])
+    with pytest.raises(ValueError):
+        bm.geomean([])
+
+
+# --------------------------------------------------------------------------- im2col
+
+SHAPES = [
+    ConvShape(3, 4, 9, 11, 3, 3, (1, 1), (1, 1)),
+    ConvShape(2, 3, 13, 12, 5, 3, (2, 3), (2, 0)),
+    ConvShape(4, 6, 10, 10, 3, 3, (1, 1), (2, 2), (2, 2), groups=2),
+    ConvShape(3, 5, 17, 17, 11, 11, (4, 4), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.describe())
+def test_im2col_conv_matches_direct_float64_conv(shape):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w))
+    w = bm.pruned_weight(rng, shape.weight_shape, 0.5)
+    b = rng.standard_normal(shape.out_channels)
+    y = bm.conv2d_im2col(x, w, shape, b)
+    ref = conv2d_reference(x, w, b, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert y.shape == (3, shape.out_channels, shape.out_h, shape.out_w)
+    np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+    assert bm.rel_l2(y, ref) < 1e-14
+
+
+def test_im2col_rows_follow_the_weight_flattening():
+    shape = ConvShape(2, 1, 4, 4, 3, 3, (1, 1), (0, 0))
+    x = np.arange(2 * 16, dtype=np.float64).reshape(1, 2, 4, 4)
+    cols = bm.im2col(x, shape)
+    assert cols.shape == (2 * 9, 4)
+    # row (c=1, r=2, s=0), column (ho=1, wo=0) reads x[0, 1, 3, 0]
+    assert cols[1 * 9 + 2 * 3 + 0, 1 * 2 + 0] == x[0, 1, 3, 0]
+
+
+def test_rel_l2_edges():
+    assert bm.rel_l2(np.zeros(3), np.zeros(3)) == 0.0
+    assert bm.rel_l2(np.ones(3), np.zeros(3)) == float("inf")
+    assert bm.rel_l2(np.array([1.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- weights, parsing, selection
+
+def test_layer_weight_is_seeded_per_layer_and_sparsity():
+    layers = bm.benchmark_layers()
+    assert len(layers) == 10
+    vgg = next(layer for layer in layers if layer.name == "vgg-conv3")
+    w = bm.layer_weight(vgg, 0.9, seed=0)
+    assert w.shape == vgg.shape.weight_shape and w.dtype == np.float32
+    assert abs((w == 0).mean() - 0.9) < 0.01
+    np.testing.assert_array_equal(w, bm.layer_weight(vgg, 0.9, seed=0))
+    assert not np.array_equal(w, bm.layer_weight(vgg, 0.9, seed=1))
+    assert abs((bm.layer_weight(vgg, 0.3, seed=0) == 0).mean() - 0.3) < 0.01
+    own = bm.BenchLayer("m", vgg.shape, weight=w[::-1].copy())
+    np.testing.assert_array_equal(bm.layer_weight(own, None, seed=5), w[::-1])
+
+
+def test_parse_sparsities_and_baselines():
+    assert bm.parse_sparsities("0.9") == (0.9,)
+    assert bm.parse_sparsities("0.9,0.5,0.9") == (0.5, 0.9)
+    for bad in ("1.0", "-0.1", "abc", ""):
+        with pytest.raises(ValueError):
+            bm.parse_sparsities(bad)
+    assert bm.parse_baselines("all") == bm.BASELINES
+    assert bm.parse_baselines("none") == ()
+    assert bm.parse_baselines("cusparse_spmm, cudnn_fp32") == ("cudnn_fp32", "cusparse_spmm")
+    with pytest.raises(ValueError, match="cudnn_fp16"):
+        bm.parse_baselines("cudnn_fp16")
+
+
+def test_select_layers():
+    layers = bm.benchmark_layers()
+    assert [layer.name for layer in bm.select_layers(layers, "vgg-*,lenet-conv1")] == \
+        ["lenet-conv1", "vgg-conv1", "vgg-conv2", "vgg-conv3"]
+    with pytest.raises(ValueError, match="matches no layer"):
+        bm.select_layers(layers, "mobilenet-*")
+
+
+# --------------------------------------------------------------------------- rows, geomeans, table, JSON
+
+def _row(layer, batch, sparsity, us, graph=True, check_ok=True):
+    """A synthetic row as run_bench builds it: us maps method -> microseconds."""
+    events = {m: v + 20 for m, v in us.items()}  # events include the host's launch gap
+    row = dict(layer=layer, shape="", batch=batch, sparsity=sparsity, weight_sparsity=sparsity or 0.5,
+               nnz=10, weights=100, tiling="", floor_us=2.0, host_us=15.0, us=dict(us if graph else events),
+               timing={m: "graph" if graph else "events" for m in us}, events_us=events,
+               graph_us={m: (v if graph else None) for m, v in us.items()}, graph_launches={}, timing_notes={},
+               check={"sparseconv": dict(ref="cudnn_fp32", rel_l2=1e-7 if check_ok else 0.5, ok=check_ok)},
+               errors={})
+    row["speedup"] = bm.speedups(row)
+    return row
+
+
+def test_speedups_pair_times_of_the_same_method():
+    row = _row("a", 1, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 40.0})
+    assert row["speedup"] == {"cudnn_fp32": pytest.approx(4.0)}
+    row["graph_us"]["cudnn_fp32"] = None  # cuDNN fell back to events: both sides use events
+    assert bm.speedups(row)["cudnn_fp32"] == pytest.approx(60.0 / 30.0)
+
+
+def test_geomean_speedups_per_sparsity_and_batch():
+    rows = [_row("a", 64, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 20.0, "cublas_gemm": 5.0}),
+            _row("b", 64, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 80.0}),
+            _row("a", 1, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 10.0})]
+    g = {(x["batch"], x["baseline"]): x for x in bm.geomean_speedups(rows)}
+    assert g[(64, "cudnn_fp32")]["geomean"] == pytest.approx(4.0)
+    assert g[(64, "cudnn_fp32")]["layers"] == 2
+    assert g[(64, "cublas_gemm")]["geomean"] == pytest.approx(0.5)
+    assert g[(64, "cublas_gemm")]["slower_layers"] == 1
+    assert g[(1, "cudnn_fp32")]["geomean"] == pytest.approx(1.0)
+    assert (1, "cudnn_tf32") not in g
+
+
+def _result(rows, notes=()):
+    return bm.BenchResult(dict(device="Test GPU", date="2026-11-22T00:00:00+00:00", command="sparseconv bench"),
+                          rows, list(notes))
+
+
+def test_table_marks_methods_failures_and_absent_columns():
+    rows = [_row("lenet-conv1", 1, 0.9, {"sparseconv": 5.0, "cublas_gemm": 20.0}),
+            _row("lenet-conv2", 1, 0.9, {"sparseconv": 8.0, "cublas_gemm": 4.0}, graph=False, check_ok=False)]
+    text = bm.format_table(_result(rows, ["torch is not installed, so the cuDNN columns are absent"]))
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| layer"))
+    assert "cuBLAS im2col+GEMM" in header and "cuDNN" not in header and "SpMM" not in header
+    first = next(line for line in lines if line.startswith("| lenet-conv1"))
+    assert "| 5.0 | 20.0 | 4.00 | 2.0 | 2.5 | 15.0 | ok |" in first
+    second = next(line for line in lines if line.startswith("| lenet-conv2"))
+    assert "| 28.0* | 24.0* |" in second and "FAIL sparseconv 5.0e-01" in second
+    assert "batch 1, sparsity 0.9: geomean speedup over cuBLAS im2col+GEMM 1.85x (1 of 2 layers slower)" in text
+    assert "Note: torch is not installed" in text
+
+
+def test_json_round_trip():
+    rows = [_row("a", 64, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 20.0})]
+    doc = json.loads(json.dumps(_result(rows).to_dict()))
+    assert set(doc) == {"meta", "rows", "geomeans", "notes"}
+    assert doc["rows"][0]["speedup"]["cudnn_fp32"] == pytest.approx(2.0)
+    assert doc["geomeans"][0]["baseline"] == "cudnn_fp32"
+
+
+def test_plot_of_a_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(name, b, sp, {"sparseconv": 10.0 * (1 - sp) + 1, "cusparse_spmm": 20.0})
+            for name in ("a", "b") for b in (1, 64) for sp in (0.5, 0.9)]
+    out = tmp_path / "sweep.png"
+    assert bm.plot_sweep(_result(rows), str(out)) == "cusparse_spmm"  # no cuDNN in these rows: falls back
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="sweep"):
+        bm.plot_sweep(_result(rows[:1]), str(out))
+
+
+def test_torch_flags_are_restored():
+    torch = pytest.importorskip("torch")
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark)
+    with pytest.raises(RuntimeError):
+        with bm.torch_flags(torch, tf32=not before[0], cudnn_benchmark=not before[2]):
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == (not before[0], not before[0])
+            raise RuntimeError("inside")
+    assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == before
+
+
+# --------------------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("args, message", [
+    (["--sparsity", "1.5"], "[0, 1)"),
+    (["--sparsity", "lots"], "comma list"),
+    (["--sparsity", "0.5", "--sweep"], "not both"),
+    (["--model", "models/lenet_digits_pruned.onnx", "--sweep"], "do not apply with --model"),
+    (["--baselines", "mkl"], "unknown baseline"),
+    (["--layers", "mobilenet-*"], "matches no layer"),
+    (["--plot", "sweep.svg", "--sweep"], "PNG"),
+    (["--plot", "one.png"], "needs a sweep"),
+    (["--batch", "0"], "x>=1"),
+    (["--model", "no/such/model.onnx"], "no such file"),
+])
+def test_bad_options_exit_2(args, message, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    res = CliRunner().invoke(bench, args)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+
+
+def test_plot_without_matplotlib_exits_2_with_the_install_hint(monkeypatch):
+    def missing():
+        raise bm.BenchError("the PNG plot needs matplotlib: pip install 'sparseconv[bench]'")
+
+    monkeypatch.setattr("sparseconv.bench_cli.require_matplotlib", missing)
+    res = CliRunner().invoke(bench, ["--sweep", "--plot", "x.png"])
+    assert res.exit_code == 2
+    assert "needs matplotlib" in res.output
+
+
+def test_no_gpu_gives_a_clear_message(monkeypatch):
+    import cupy
+
+    def no_device():
+        raise cupy.cuda.runtime.CUDARuntimeError(100)  # cudaErrorNoDevice
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_device)
+    res = CliRunner().invoke(bench, ["--layers", "lenet-conv1", "--batch", "1"])
+    assert res.exit_code == 1
+    assert "no CUDA GPU found" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_help_shows_examples():
+    res = CliRunner().invoke(bench, ["--help"])
+    assert res.exit_code == 0
+    assert "Examples:" in res.output and "sparseconv bench --sweep" in res.output
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.describe())
+def test_gpu_im2col_matches_the_generic_one_in_both_orders(shape):
+    import cupy
+
+    x = cupy.random.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w), dtype=cupy.float32)
+    ref = bm.im2col(x, shape, cupy)
+    for order in ("C", "F"):
+        cols = cupy.full(ref.shape, cupy.nan, dtype=cupy.float32, order=order)
+        bm.gpu_im2col(x, shape, cols)
+        cupy.testing.assert_array_equal(cols, ref)
+
+
+@pytest.mark.gpu
+def test_a_wrong_im2col_fails_the_baseline_check(monkeypatch):
+    import cupy
+
+    shape = ConvShape(3, 4, 9, 9, 3, 3, (1, 1), (1, 1))
+    w = bm.pruned_weight(np.random.default_rng(0), shape.weight_shape, 0.5)
+    w[:, 0, 0, 0] = 1.0  # so the column the broken im2col zeroes matters
+    rng = cupy.random.default_rng(0)
+    good = bm._check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
+    assert all(c["ok"] for c in good.values()) and set(good) == {"cublas_gemm", "cusparse_spmm"}
+    real = bm.gpu_im2col
+    monkeypatch.setattr(bm, "gpu_im2col", lambda x, s, cols: (real(x, s, cols), cols.__setitem__(0, 0)))
+    bad = bm._check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
+    assert not any(c["ok"] for c in bad.values())
+
+
+@pytest.mark.gpu
+def test_bench_runs_two_small_layers(session_cache_dir):
+    layers = bm.select_layers(bm.benchmark_layers(), "lenet-conv1,resnet-conv2")
+    config = bm.BenchConfig(batches=(1, 4), sparsities=(0.9,), repeat=5, max_seconds=0.5,
+                            cache_dir=str(session_cache_dir), jobs=2)
+    result = bm.run_bench(layers, config, command="test", log=lambda s: None)
+    assert [(r["layer"], r["batch"]) for r in result.rows] == \
+        [("lenet-conv1", 1), ("lenet-conv1", 4), ("resnet-conv2", 1), ("resnet-conv2", 4)]
+    for r in result.rows:
+        assert not r["errors"], r["errors"]
+        assert set(r["us"]) >= {"sparseconv", "cublas_gemm", "cusparse_spmm"}
+        assert all(v > 0 for v in r["us"].values())
+        assert r["host_us"] > 0 and r["floor_us"] > 0
+        assert r["check"]["sparseconv"]["ok"], r["check"]
+        assert all(c["ok"] for c in r["check"].values()), r["check"]
+        assert set(r["speedup"]) == set(r["us"]) - {"sparseconv"}
+    assert result.meta["device"] and result.meta["cupy"]
+    if result.meta["torch"] is not None:
+        assert result.meta["cudnn"] and "cudnn_fp32" in result.rows[0]["us"]
+    assert "| resnet-conv2 | 4 |" in bm.format_table(result)
+    json.dumps(result.to_dict())
+
+
+@pytest.mark.gpu
+def test_bench_cli_on_the_shipped_model(tmp_path, session_cache_dir, monkeypatch):
+    pytest.importorskip("onnx")
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(bench, ["--model", "models/lenet_digits_pruned.onnx", "--batch", "8", "--repeat", "3",
+                                     "--max-seconds", "0.2", "--cache-dir", str(session_cache_dir),
+                                     "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [r["layer"] for r in doc["rows"]] == ["/conv1/Conv", "/conv2/Conv"]
+    assert all(r["sparsity"] is None and r["check"]["sparseconv"]["ok"] for r in doc["rows"])
+    assert doc["meta"]["sparsities"] is None
