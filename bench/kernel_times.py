@@ -1,6 +1,6 @@
 """Kernel time of the benchmark layers: sparseconv vs cuDNN fp32 / TF32 (torch), one GPU, one run.
 
-    python bench/kernel_times.py [--sparsity 0.9] [--batches 1 64] [--json out.json]
+    python bench/kernel_times.py [--sparsity 0.9] [--batches 1 64] [--json out.json] [--autotune]
 
 Device time is the median of CUDA-event timings of back-to-back launches
 (cupyx.profiler.benchmark, `gpu_times`); host call latency is reported
@@ -43,6 +43,8 @@ def main() -> None:
     p.add_argument("--kernel-size", type=int, default=None, help="only layers with this R (e.g. 3)")
     p.add_argument("--unique", action="store_true", help="time each distinct layer shape once")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--autotune", action="store_true",
+                   help="also time tiling='auto' (tuned at each batch size) beside the default tiling")
     a = p.parse_args()
     try:
         import torch
@@ -74,6 +76,12 @@ def main() -> None:
             sc_us, sc_host_us = median_us(lambda: conv(x, out=out), reps)
             row = dict(layer=op.name, batch=batch, sparseconv_us=sc_us, sparseconv_host_us=sc_host_us,
                        floor_us=floor_us(op, batch, int(np.count_nonzero(w))), tiling=conv.layer.tiling.describe())
+            if a.autotune:
+                tuned = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), stride=s.stride,
+                                                  padding=s.padding, cache_dir=cache, name=op.name,
+                                                  tiling="auto", tune_batch=batch)
+                row.update(tuned_us=median_us(lambda: tuned(x, out=out), reps)[0],
+                           tuned_tiling=tuned.layer.tiling.describe())
             if torch is not None:
                 xt = torch.as_tensor(x, device="cuda")
                 wt = torch.as_tensor(cp.asarray(w), device="cuda")
@@ -96,6 +104,17 @@ def main() -> None:
         print(f"| {r['layer']} | {r['batch']} | {r['sparseconv_us']:.1f} | {f32:.1f} | {t32:.1f} | "
               f"{f32 / r['sparseconv_us']:.2f} | {t32 / r['sparseconv_us']:.2f} | {r['floor_us']:.1f} | "
               f"{r['sparseconv_host_us']:.1f} |")
+    if a.autotune:
+        print("\n| layer | N | default | autotuned | default / tuned | tuned tiling |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['layer']} | {r['batch']} | {r['sparseconv_us']:.1f} | {r['tuned_us']:.1f} | "
+                  f"{r['sparseconv_us'] / r['tuned_us']:.2f} | {r['tuned_tiling']} |")
+        for batch in a.batches:
+            sel = [r for r in rows if r["batch"] == batch]
+            g = np.exp(np.mean([np.log(r["sparseconv_us"] / r["tuned_us"]) for r in sel]))
+            gf = np.exp(np.mean([np.log(r["cudnn_fp32_us"] / r["tuned_us"]) for r in sel if "cudnn_fp32_us" in r]))
+            print(f"\nbatch {batch}: autotuned is {g:.2f}x the default tiling's speed (geomean); "
+                  f"{gf:.2f}x cuDNN fp32")
     for batch in a.batches:
         sel = [r for r in rows if r["batch"] == batch and "cudnn_fp32_us" in r]
         if sel:
