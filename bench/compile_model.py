@@ -50,8 +50,8 @@ def main() -> None:
     print(f"# {a.model}, {len(jobs)} conv layers, sparsity {a.sparsity}, {time.strftime('%Y-%m-%d')}, "
           f"{platform.node()} ({os.cpu_count()} cores)\n")
     print("| layer | shape | nvcc s | specialise s | ptxas+nvlink s | wall s | nonzero | FMAs deleted | "
-          "PTX lines | pass lines/s | cubin bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "functions (k-blocks) | PTX lines | pass lines/s | cubin bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows, lines, spec_s = [], 0, 0.0
     for name, layer in cold.items():
         s = layer.stats
@@ -61,7 +61,8 @@ def main() -> None:
         sh = layer.shape
         print(f"| {name} | {sh.in_channels}->{sh.out_channels} {sh.kernel_h}x{sh.kernel_w} @{sh.in_h} s{sh.stride[0]} | "
               f"{sec['compile']:.2f} | {sec['specialise']:.2f} | {sec['assemble']:.2f} | {s['wall_s']:.1f} | "
-              f"{s['nonzero_weights']} | {s['fmas_deleted']} | {s['ptx_lines']} | "
+              f"{s['nonzero_weights']} | {s['fmas_deleted']} | {s.get('pieces', s['kblocks'])} ({s['kblocks']}) | "
+              f"{s['ptx_lines']} | "
               f"{s['ptx_lines'] / max(sec['specialise'], 1e-9):,.0f} | {s['artifact_bytes']} |")
         rows.append(dict(layer=name, **{k: v for k, v in s.items() if k not in ("template_key", "kernel_key")}))
     print(f"\ncold: {cold_s:.1f} s for {len(jobs)} layers; warm{' + load on the GPU' if a.load else ''}: "

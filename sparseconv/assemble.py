@@ -25,25 +25,35 @@ class DriverTooOldError(RuntimeError):
     pass
 
 
+_CALL_RE = re.compile(r"\bcall(?:\.uni)?\s*(?:\([^)]*\)\s*,\s*)?([A-Za-z_$][\w$]*)")
+
+
 def split_module(ptx: str) -> List[str]:
     """One PTX module per function, for separate compilation. ptxas time grows
     quadratically with the number of .func a module's entry calls (measured: 1
     k-block function 0.75 s, 4 of them 6 s, 16 of them 123 s), but linearly when
     each is compiled alone (`ptxas -c`) and the objects are linked (nvlink).
-    Functions become .visible; the entry's module declares them .extern."""
+    Functions become .visible; each module declares the functions it calls
+    .extern (the entry calls the k-block functions, a split k-block function
+    its pieces). The entry's module comes last."""
     module = parse_module(ptx)
     header = "\n".join(module.header)
-    pieces, decls = [], []
+    decls = {}
+    for f in module.functions:
+        if not f.is_entry:
+            head = list(f.head)
+            head[0] = re.sub(r"^\s*\.func\b", ".extern .func", head[0])
+            decls[f.name] = "\n".join(head) + ";"
+    funcs, entries = [], []
     for f in module.functions:
         head = list(f.head)
         if not f.is_entry:
             head[0] = re.sub(r"^\s*\.func\b", ".visible .func", head[0])
-            decl = "\n".join(head).replace(".visible .func", ".extern .func", 1)
-            decls.append(decl + ";")
-        text = "\n".join([header, *head, "{", *f.body, "}", ""])
-        pieces.append((f.is_entry, text))
-    return [t for e, t in pieces if not e] + [
-        t.replace(header, header + "\n" + "\n".join(decls), 1) for e, t in pieces if e]
+        body = "\n".join(f.body)
+        called = dict.fromkeys(n for n in _CALL_RE.findall(body) if n in decls) if "call" in body else {}
+        text = "\n".join([header, *(decls[n] for n in called), *head, "{", body, "}", ""])
+        (entries if f.is_entry else funcs).append(text)
+    return funcs + entries
 
 
 def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None) -> bytes:

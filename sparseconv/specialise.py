@@ -20,6 +20,32 @@ linear pass:
   ptxas removes the movs nobody reads.
 * The entry's single call becomes a jump table over the copies (brx.idx on
   blockIdx.y).
+* Bounded functions for ptxas. A k-block function's chunk copies grow with C
+  (a 512-channel VGG layer: 256 copies, ~100K lines), and ptxas time per copy
+  grows with the function's length. So when a k-block's copies are estimated
+  (per copy: the body's other statements plus its kept FMAs) at more than
+  MAX_PIECE_LINES lines, they are cut into runs of consecutive chunks
+  (plan_pieces), each a function `sc_kblock_<b>_p<i>` with the template
+  function's own parameters:
+
+      .func sc_kblock_3_p1(<x, y, bias, kblock, n, n_chunks>)
+      {   <the prologue, as in the template>        recomputes every loop invariant
+          <load the loop state from sc_state>       (not in the first piece)
+          <chunk copies j0 .. j1-1, exactly as above>
+          <store the loop state to sc_state; ret>   (the last piece: the epilogue)
+      }
+
+  The loop state is the registers the body writes that are live across a
+  copy boundary (accumulators, the chunk counter), found once per template by
+  dataflow over the body and the epilogue (_piece_interface). It goes through
+  a static shared array `sc_state`, one column of `threads` slots per
+  register, each thread reading back only its own slots (_PieceState), not
+  through call parameters: the ABI passes big parameter lists on the stack,
+  and that made split layers 1.1-1.8x slower on the H100, against 1.0-1.07x
+  this way. The entry's jump table calls a split k-block's pieces in order,
+  each call in its own copy of the call sequence. Small layers (one piece per
+  k-block) get exactly the unsplit function; so does a layer whose state
+  would not fit in shared memory next to the input patch (MAX_SHARED_BYTES).
 
 Invariants are checked by raising SpecialiseError: each placeholder is used by
 exactly `outputs per thread` FMAs of the body, none outside the loop body, the
@@ -38,7 +64,22 @@ import numpy as np
 from .ptx import (REG_RE, PtxParseError, Stmt, f32_immediate_bits, parse_module, parse_statements,
                   reg_prefix, register_types, split_operands)
 from .render import ENTRY_NAME, KBLOCK_FUNC, RenderedTemplate, body_index
-from .shapes import ConvShape, Tiling, n_chunks, n_kblocks
+from .shapes import MAX_PATCH_BYTES, ConvShape, Tiling, n_chunks, n_kblocks, patch_size
+
+
+# Bound on the estimated PTX lines of chunk copies in one function (see the
+# module docstring). Measured on the 2-core machine (ptxas 13.0 -O3, one
+# k-block of VGG-16's 512->512 layer at 28x28, 90% zeros, 256 chunk copies):
+# ptxas costs about 30 ms per copy in functions up to ~13K lines and more
+# beyond (102K lines whole: 59 ms per copy, 14-15 s). Split at 8K / 12K / 16K
+# lines, the k-block's functions took 5.9 / 5.9 / 6.2 s in all; over whole
+# models (ResNet-50's 1x1 layers), 12K assembled slower than 8K. Every piece
+# costs the kernel a call, a prologue and a state hand-over: on the H100, with
+# 8K, split layers ran at 1.00-1.07x the time of the same layers unsplit.
+MAX_PIECE_LINES = 8_000
+# Shared memory a block may use without opting in: the input patch plus, when
+# a k-block is split, the loop state its pieces hand on (see _PieceState).
+MAX_SHARED_BYTES = MAX_PATCH_BYTES
 
 
 class SpecialiseError(RuntimeError):
@@ -54,6 +95,7 @@ class SpecialiseError(RuntimeError):
 class SpecialiseStats:
     kblocks: int               # copies of the k-block function
     chunks: int                # copies of the loop body in each
+    pieces: int                # functions holding chunk copies (== kblocks when no k-block was split)
     weights: int               # K * C/groups * R * S of the layer
     nonzero_weights: int
     fmas_per_weight: int       # outputs per thread: FMAs one weight feeds in the body
@@ -117,6 +159,9 @@ class TemplateLayout:
     fmas_per_weight: int
     ptx_lines: int
     liveness: "_BodyLiveness"
+    body_other: int              # body items that are not placeholder FMAs (lines of a copy, FMAs aside)
+    piece_inputs: Tuple[str, ...]   # loop-carried: written by a copy, live at its start (a piece loads them)
+    piece_outputs: Tuple[str, ...]  # written by a copy and live after it (a piece stores them)
 
 
 @dataclass(frozen=True)
@@ -140,7 +185,7 @@ class _BodyLiveness:
         return nxt_def is None and reg in self.live_out
 
 
-def _body_liveness(body: List[object], epilogue: List[Stmt]) -> _BodyLiveness:
+def _body_liveness(body: List[object], epilogue: List[Stmt], extra_live: Tuple[str, ...] = ()) -> _BodyLiveness:
     reads: Dict[str, List[int]] = defaultdict(list)
     defs: Dict[str, List[int]] = defaultdict(list)
     fma_reads: Dict[str, List[Tuple[int, int]]] = defaultdict(list)  # reg -> (pos, weight index)
@@ -160,7 +205,7 @@ def _body_liveness(body: List[object], epilogue: List[Stmt]) -> _BodyLiveness:
                     upward.add(r)
         for d in dests:
             defs[d].append(pos)
-    live_out = upward | {r for st in epilogue if st.kind == "instr" for r in st.src_regs()}
+    live_out = upward | {r for st in epilogue if st.kind == "instr" for r in st.src_regs()} | set(extra_live)
     consumers: Dict[int, Tuple[int, ...]] = {}
     for pos, item in enumerate(body):
         if not (isinstance(item, Stmt) and item.kind == "instr" and item.opcode.startswith("ld.shared")
@@ -175,6 +220,99 @@ def _body_liveness(body: List[object], epilogue: List[Stmt]) -> _BodyLiveness:
         else:
             consumers[pos] = tuple(idx)
     return _BodyLiveness(dict(reads), dict(defs), live_out, consumers)
+
+
+class _Dataflow:
+    """Backward liveness over a straight run of code whose branches stay inside
+    it (a branch out of it counts as "everything live") and whose end falls
+    through to code where `live_end` is live. Register sets are bitmasks over
+    `bit`. Guarded writes kill nothing. Iterated to a fixpoint: the staging
+    loop inside the chunk body is a loop."""
+
+    def __init__(self, items: List[object], bit: Dict[str, int]) -> None:
+        n = len(items)
+        self.uses, self.kills, self.succ = [0] * n, [0] * n, [(i + 1,) for i in range(n)]
+        self.read = self.written = 0
+        labels = {it.text[:-1]: i for i, it in enumerate(items) if isinstance(it, Stmt) and it.kind == "label"}
+        for i, it in enumerate(items):
+            if isinstance(it, _Fma):
+                srcs, dests, pred = [it.input, it.acc] + REG_RE.findall(it.pred), [it.dest], it.pred
+            elif it.kind == "instr":
+                srcs, dests, pred = it.src_regs(), it.dest_regs(), it.pred
+                if it.base_opcode in ("ret", "exit") and not pred:
+                    self.succ[i] = ()
+                tgt = _branch_target(it)
+                if tgt is not None:
+                    t = labels.get(tgt, -1)
+                    self.succ[i] = (t,) if not pred else (t, i + 1)
+            else:
+                continue
+            u = k = w = 0
+            for r in srcs:
+                if r in bit:
+                    u |= 1 << bit[r]
+            for d in dests:
+                if d in bit:
+                    w |= 1 << bit[d]
+            if not pred:
+                k = w
+            self.uses[i], self.kills[i] = u, k
+            self.read |= u
+            self.written |= w
+
+    def live_in(self, live_end: int) -> int:
+        n = len(self.uses)
+        uses, kills, succ = self.uses, self.kills, self.succ
+        everything = live_end | self.read
+        live = [0] * (n + 1)
+        live[n] = live_end
+        changed = True
+        while changed:
+            changed = False
+            for i in range(n - 1, -1, -1):
+                out = 0
+                for s in succ[i]:
+                    out |= everything if s < 0 else live[s]
+                v = uses[i] | (out & ~kills[i])
+                if v != live[i]:
+                    live[i], changed = v, True
+        return live[0]
+
+
+def _piece_interface(body: List[object], epilogue: List[Stmt], reg_types: Dict[str, str]
+                     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """The loop state a function holding some chunk copies must take over and
+    hand on: registers the body writes that are live at the start of a copy
+    (loop-carried: accumulators, the chunk counter) and those the body writes
+    that are live after a copy (in the next copy or the epilogue). Everything
+    else live in the body is loop-invariant: each piece recomputes it in its
+    copy of the prologue."""
+    regs: List[str] = []
+    seen: Set[str] = set()
+    for it in list(body) + list(epilogue):
+        if isinstance(it, _Fma):
+            found = [it.dest, it.input, it.acc] + REG_RE.findall(it.pred)
+        elif it.kind == "instr":
+            found = it.dest_regs() + it.src_regs()
+        else:
+            continue
+        for r in found:
+            if r not in seen and reg_prefix(r) in reg_types:  # special registers (%tid ...) are not passed
+                seen.add(r)
+                regs.append(r)
+    bit = {r: i for i, r in enumerate(regs)}
+    flow_body = _Dataflow(body, bit)
+    epi_in = _Dataflow(epilogue, bit).live_in(0)
+    body_in = 0
+    while True:  # live at the end of a copy = live at the next copy's start or at the epilogue's
+        end = body_in | epi_in
+        nxt = flow_body.live_in(end)
+        if nxt == body_in:
+            break
+        body_in = nxt
+    ins = body_in & flow_body.written
+    outs = end & flow_body.written
+    return (tuple(r for r in regs if ins >> bit[r] & 1), tuple(r for r in regs if outs >> bit[r] & 1))
 
 
 def _branch_target(st: Stmt) -> Optional[str]:
@@ -302,8 +440,9 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
     for st in outside:
         if st.kind == "instr" and any(r in ph_reg for r in st.src_regs()):
             raise SpecialiseError("placeholder register read outside the chunk loop", st.line, st.text)
-    prologue = [st for st in stmts[:start] if st in outside]
-    epilogue = [st for st in stmts[end + 1:] if st in outside]
+    kept = {id(st) for st in outside}  # identity: Stmt equality compares every field (slow)
+    prologue = [st for st in stmts[:start] if id(st) in kept]
+    epilogue = [st for st in stmts[end + 1:] if id(st) in kept]
 
     calls = [i for i, st in enumerate(entry_stmts)
              if st.kind == "instr" and st.base_opcode == "call" and re.search(rf"\b{KBLOCK_FUNC}\b", st.srcs)]
@@ -329,13 +468,17 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
                               entry_stmts[c].line, entry_stmts[c].text)
     if not re.search(rf"\b{KBLOCK_FUNC}\(", func.head[0]):
         raise SpecialiseError(f"unexpected declaration line of {KBLOCK_FUNC}: {func.head[0]!r}")
+    reg_types = register_types(stmts)
+    ins, outs = _piece_interface(body, epilogue, reg_types)
     return TemplateLayout(
         header=module.header, func_head=func.head, prologue=prologue, loop_label=loop_label,
         loop_body=body, epilogue=epilogue, labels=labels,
-        reg_types=register_types(stmts), entry_head=entry.head,
+        reg_types=reg_types, entry_head=entry.head,
         entry_stmts=entry_stmts, entry_call=entry_stmts[c], entry_callseq=(open_at, close_at),
         fmas_per_weight=per_weight, ptx_lines=len(ptx.splitlines()),
-        liveness=_body_liveness(body, epilogue))
+        liveness=_body_liveness(body, epilogue, outs),  # a piece's outputs are read after its last copy
+        body_other=sum(1 for it in body if not isinstance(it, _Fma)),
+        piece_inputs=ins, piece_outputs=outs)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -409,13 +552,148 @@ def _emit(st: Stmt, ren: _Renamer, out: List[str], label_sfx: str, labels: Set[s
     out.append(f"\t{pred}{st.opcode} {ops};")
 
 
+def plan_pieces(costs: List[int], budget: int) -> List[Tuple[int, int]]:
+    """Cut a k-block's chunk copies (estimated lines `costs`) into runs
+    [j0, j1) of at most `budget` lines each (a chunk bigger than that alone):
+    as few runs as greedy packing needs, then evened out (the smallest cap
+    that still gives that many runs), so no piece is much bigger than another."""
+    def greedy(cap: int) -> List[Tuple[int, int]]:
+        runs, start, acc = [], 0, 0
+        for j, c in enumerate(costs):
+            if j > start and acc + c > cap:
+                runs.append((start, j))
+                start, acc = j, 0
+            acc += c
+        runs.append((start, len(costs)))
+        return runs
+
+    runs = greedy(budget)
+    lo, hi = min(budget, -(-sum(costs) // len(runs))), budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(greedy(mid)) <= len(runs):
+            hi = mid
+        else:
+            lo = mid + 1
+    return greedy(lo)
+
+
+def _emit_chunks(layout: TemplateLayout, w_rows: np.ndarray, b: int, j0: int, j1: int, ren: "_Renamer",
+                 out: List[str], counts: List[int]) -> None:
+    """Copies j0..j1-1 of the loop body for output-channel block b, each with
+    its chunk's weights (w_rows[j] in body order, as float32 bits)."""
+    labels = layout.labels
+    alias, aliased_by = ren.alias, ren.aliased_by
+    consumers = layout.liveness.load_consumers
+    n_fma = n_deleted = n_loads_dropped = 0
+    for j in range(j0, j1):
+        w_bits = w_rows[j].tolist()
+        csfx = f"_k{b}c{j}"
+        out.append(f"\t// chunk {j} of output-channel block {b}")
+        for pos, item in enumerate(layout.loop_body):
+            ren.pos = pos
+            if isinstance(item, Stmt):
+                used_by = consumers.get(pos)
+                if used_by is not None and not any(w_bits[i] & 0x7FFFFFFF for i in used_by):
+                    n_loads_dropped += 1
+                    continue  # a load only zero-weight FMAs read
+                _emit(item, ren, out, csfx, labels)
+                continue
+            n_fma += 1
+            wb = w_bits[item.index]
+            acc = alias.get(item.acc, item.acc)
+            d = item.dest
+            # Fast path: d is neither an alias nor the source of one.
+            clean = d not in alias and not aliased_by.get(d) and not item.pred
+            if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
+                n_deleted += 1
+                if item.pred or acc[0] != "%":
+                    ren.before_write(d, bool(item.pred), out)
+                    out.append(ren.mov(d, acc, ren.rename(item.pred)))
+                elif clean and acc != d:
+                    alias[d] = acc
+                    aliased_by[acc].add(d)
+                else:
+                    ren.set_alias(d, acc, out)
+                continue
+            x = alias.get(item.input, item.input)
+            pred = ""
+            if not clean:
+                pred = ren.rename(item.pred) if item.pred else ""
+                ren.before_write(d, bool(pred), out)
+            out.append(f"\t{pred}{item.opcode} {d}, {x}, 0f{wb:08X}, {acc};")
+        ren.end_of_copy()
+    counts[0] += n_fma
+    counts[1] += n_deleted
+    counts[2] += n_loads_dropped
+    counts[3] += (j1 - j0) * len(layout.loop_body)
+
+
+_STATE_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8, "pred": 4}
+# Each piece reruns the prologue, which is fine only while it just computes.
+_SIDE_EFFECTS = frozenset({"st", "bar", "barrier", "atom", "red", "call", "membar", "fence", "cp"})
+STATE_SYMBOL = "sc_state"
+
+
+class _PieceState:
+    """Where a piece leaves the loop state for the next one: a static shared
+    array, one column of `threads` slots per register (8-byte columns first),
+    each thread at its own slot (bank-conflict free; only the thread that
+    stored a slot reads it, so no barrier is needed). Predicates are stored as
+    0/1 words."""
+
+    def __init__(self, layout: TemplateLayout, threads: int) -> None:
+        regs = dict.fromkeys(layout.piece_outputs + layout.piece_inputs)
+        typed = [(r, layout.reg_types[reg_prefix(r)]) for r in regs]
+        width = {r: _STATE_BYTES.get(t if t == "pred" else t[1:], 4) for r, t in typed}
+        self.slot: Dict[str, Tuple[str, int, int]] = {}  # reg -> (type, width, column offset)
+        off = 0
+        for r, t in sorted(typed, key=lambda rt: -width[rt[0]]):  # stable: widest first
+            self.slot[r] = (t, width[r], off)
+            off += width[r] * threads
+        self.bytes = off
+        self.ins, self.outs = layout.piece_inputs, layout.piece_outputs
+
+    def _bases(self) -> List[str]:
+        widths = sorted({w for _, w, _ in self.slot.values()})
+        out = ["\t.reg .b32 %sc_pw, " + ", ".join(f"%sc_s{w}" for w in widths) + ";"]
+        for w in widths:
+            out += [f"\tmov.u32 %sc_s{w}, %tid.x;", f"\tmul.lo.u32 %sc_s{w}, %sc_s{w}, {w};",
+                    f"\tmov.u32 %sc_pw, {STATE_SYMBOL};", f"\tadd.u32 %sc_s{w}, %sc_s{w}, %sc_pw;"]
+        return out
+
+    def load(self) -> List[str]:
+        out = ["\t// loop state from the previous piece", "\t{", *self._bases()]
+        for r in self.ins:
+            t, w, col = self.slot[r]
+            if t == "pred":
+                out += [f"\tld.shared.b32 %sc_pw, [%sc_s{w}+{col}];", f"\tsetp.ne.b32 {r}, %sc_pw, 0;"]
+            else:
+                out.append(f"\tld.shared.{t} {r}, [%sc_s{w}+{col}];")
+        return out + ["\t}"]
+
+    def store(self, ren: "_Renamer") -> List[str]:
+        out = ["\t// loop state for the next piece", "\t{", *self._bases()]
+        for r in self.outs:
+            t, w, col = self.slot[r]
+            src = ren.alias.get(r, r)
+            if t == "pred":
+                out += [f"\tselp.b32 %sc_pw, 1, 0, {src};", f"\tst.shared.b32 [%sc_s{w}+{col}], %sc_pw;"]
+            else:
+                out.append(f"\tst.shared.{t} [%sc_s{w}+{col}], {src};")
+        return out + ["\t}"]
+
+
 def _render_plain(st: Stmt) -> str:
     return st.render() if st.kind == "instr" else st.text
 
 
 def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray,
-               layout: Optional[TemplateLayout] = None) -> Tuple[str, SpecialiseStats]:
-    """The layer's PTX and what the pass did. `weight` is (K, C/groups, R, S) float32."""
+               layout: Optional[TemplateLayout] = None,
+               piece_lines: Optional[int] = None) -> Tuple[str, SpecialiseStats]:
+    """The layer's PTX and what the pass did. `weight` is (K, C/groups, R, S) float32.
+    `piece_lines` bounds the estimated PTX lines of chunk copies in one function
+    (default MAX_PIECE_LINES; tests make it tiny to force splitting)."""
     shape, tiling = rendered.shape, rendered.tiling
     weight = np.asarray(weight, dtype=np.float32)
     if weight.shape != shape.weight_shape:
@@ -427,67 +705,59 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     kblocks, chunks, _ = arranged.shape
     labels = layout.labels
     out: List[str] = list(layout.header)
-    n_fma = n_deleted = n_loads_dropped = n_visited = 0
-
+    counts = [0, 0, 0, 0]  # placeholder FMAs visited, deleted, loads dropped, template lines visited
+    budget = MAX_PIECE_LINES if piece_lines is None else piece_lines
+    # Estimated lines of each chunk copy: the body's other statements plus its kept FMAs.
+    cost = layout.body_other + np.count_nonzero(bits & 0x7FFFFFFF, axis=2) * layout.fmas_per_weight
+    state = _PieceState(layout, tiling.threads)
+    ph, pw = patch_size(shape, tiling)
+    rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
+    if state.bytes + tiling.c_block * ph * pw * 4 > MAX_SHARED_BYTES or not rerun_ok:
+        budget = 1 << 62  # the state does not fit next to the patch, or the prologue must run once: keep whole
+    split: Dict[int, int] = {}  # k-block -> its number of pieces, where more than one
+    epi_labels = {st.text[:-1] for st in layout.epilogue if st.kind == "label"}
+    skip_labels = sorted({t for t in map(_branch_target, layout.prologue) if t in epi_labels})
+    n_pieces = 0
     for b in range(kblocks):
-        ren = _Renamer(layout.reg_types, layout.liveness)
-        alias, aliased_by = ren.alias, ren.aliased_by
-        head = list(layout.func_head)
-        head[0] = re.sub(rf"\b{KBLOCK_FUNC}\(", f"{KBLOCK_FUNC}_{b}(", head[0], count=1)
-        out.extend(head)
-        out.append("{")
-        sfx = f"_k{b}"
-        for st in layout.prologue:
-            _emit(st, ren, out, sfx, labels)
-        consumers = layout.liveness.load_consumers
-        for j in range(chunks):
-            w_bits = bits[b, j].tolist()
-            csfx = f"_k{b}c{j}"
-            out.append(f"\t// chunk {j} of output-channel block {b}")
-            for pos, item in enumerate(layout.loop_body):
-                ren.pos = pos
-                if isinstance(item, Stmt):
-                    used_by = consumers.get(pos)
-                    if used_by is not None and not any(w_bits[i] & 0x7FFFFFFF for i in used_by):
-                        n_loads_dropped += 1
-                        continue  # a load only zero-weight FMAs read
-                    _emit(item, ren, out, csfx, labels)
-                    continue
-                n_fma += 1
-                wb = w_bits[item.index]
-                acc = alias.get(item.acc, item.acc)
-                d = item.dest
-                # Fast path: d is neither an alias nor the source of one.
-                clean = d not in alias and not aliased_by.get(d) and not item.pred
-                if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
-                    n_deleted += 1
-                    if item.pred or acc[0] != "%":
-                        ren.before_write(d, bool(item.pred), out)
-                        out.append(ren.mov(d, acc, ren.rename(item.pred)))
-                    elif clean and acc != d:
-                        alias[d] = acc
-                        aliased_by[acc].add(d)
-                    else:
-                        ren.set_alias(d, acc, out)
-                    continue
-                x = alias.get(item.input, item.input)
-                pred = ""
-                if not clean:
-                    pred = ren.rename(item.pred) if item.pred else ""
-                    ren.before_write(d, bool(pred), out)
-                out.append(f"\t{pred}{item.opcode} {d}, {x}, 0f{wb:08X}, {acc};")
-            ren.end_of_copy()
-            n_visited += len(layout.loop_body)
-        ren.pos = None
-        n_visited += len(layout.prologue) + len(layout.epilogue)
-        for st in layout.epilogue:
-            _emit(st, ren, out, sfx, labels)
-        out.append("}")
-        out.append("")
+        pieces = plan_pieces(cost[b].tolist(), budget)
+        n_pieces += len(pieces)
+        last = len(pieces) - 1
+        if last:
+            split[b] = len(pieces)
+        for i, (j0, j1) in enumerate(pieces):
+            name = f"{KBLOCK_FUNC}_{b}" + (f"_p{i}" if last else "")
+            sfx = f"_k{b}" + (f"p{i}" if last else "")
+            head = list(layout.func_head)
+            head[0] = re.sub(rf"\b{KBLOCK_FUNC}\(", f"{name}(", head[0], count=1)
+            out.extend(head)
+            out.append("{")
+            ren = _Renamer(layout.reg_types, layout.liveness)
+            for st in layout.prologue:
+                _emit(st, ren, out, sfx, labels)
+            if i > 0:
+                out.extend(state.load())
+            _emit_chunks(layout, bits[b], b, j0, j1, ren, out, counts)
+            ren.pos = None
+            counts[3] += len(layout.prologue) + (len(layout.epilogue) if i == last else 0)
+            if i < last:
+                out.extend(state.store(ren))
+                # The prologue's branch around the loop (taken only when n_chunks < 1)
+                # targets an epilogue label: it lands on this piece's return instead.
+                out.extend(f"{label}{sfx}:" for label in skip_labels)
+                out.append("\tret;")
+            else:
+                for st in layout.epilogue:
+                    _emit(st, ren, out, sfx, labels)
+            out.append("}")
+            out.append("")
+    if split:  # one array for every piece of every k-block (a block runs one k-block)
+        out.insert(len(layout.header), f".weak .shared .align 16 .b8 {STATE_SYMBOL}[{state.bytes}];")
+    n_fma, n_deleted, n_loads_dropped, n_visited = counts
 
-    # Entry: a jump table on blockIdx.y picks one copy of the call sequence.
+    # Entry: a jump table on blockIdx.y picks one copy of the call sequence
+    # (one per piece, in order, where the k-block is split).
     # The whole `{ .param ...; st.param ...; call ...; }` block is copied per
-    # target: ptxas lowers parameter passing per call site, so param stores
+    # call: ptxas lowers parameter passing per call site, so param stores
     # shared by several calls are not seen by them (measured: garbage pointers).
     entry = layout.entry_stmts
     open_at, close_at = layout.entry_callseq
@@ -501,11 +771,13 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     call_re = re.compile(rf"\b{KBLOCK_FUNC}\b(?!_)")
     for b in range(kblocks):
         out.append(f"$sc_kb_{b}:")
-        for st in entry[open_at:close_at + 1]:
-            text = _render_plain(st)
-            if st is layout.entry_call:
-                text = call_re.sub(f"{KBLOCK_FUNC}_{b}", text, count=1)
-            out.append(text)
+        names = [f"{KBLOCK_FUNC}_{b}_p{i}" for i in range(split[b])] if b in split else [f"{KBLOCK_FUNC}_{b}"]
+        for name in names:
+            for st in entry[open_at:close_at + 1]:
+                text = _render_plain(st)
+                if st is layout.entry_call:
+                    text = call_re.sub(name, text, count=1)
+                out.append(text)
         out.append("\tbra.uni $sc_done;")
     out.append("$sc_done:")
     out.extend(_render_plain(st) for st in entry[close_at + 1:])
@@ -522,7 +794,7 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
         raise SpecialiseError(f"visited {n_fma} placeholder FMAs, expected {arranged.size * layout.fmas_per_weight}")
     text = "\n".join(out)
     stats = SpecialiseStats(
-        kblocks=kblocks, chunks=chunks, weights=int(weight.size),
+        kblocks=kblocks, chunks=chunks, pieces=n_pieces, weights=int(weight.size),
         nonzero_weights=int(np.count_nonzero(weight)), fmas_per_weight=layout.fmas_per_weight,
         fmas_before=n_fma, fmas_deleted=n_deleted, fmas_kept=n_fma - n_deleted, loads_dropped=n_loads_dropped,
         ptx_lines_template=layout.ptx_lines, ptx_lines_visited=n_visited, ptx_lines=text.count("\n") + 1)

@@ -114,3 +114,42 @@ def test_a_weight_placement_bug_is_caught(monkeypatch):
     monkeypatch.setattr(spec_mod, "arrange_weights", lambda w, s, t: np.roll(real(w, s, t), 1, axis=1))
     y, ref, _ = check("blocks_and_chunks", 0.5, np.random.default_rng())
     assert relative_l2(y, ref) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["blocks_and_chunks", "dilated_thread_h2", "grouped"])
+def test_split_k_blocks_compute_the_same_convolution(name):
+    """piece_lines=1: every chunk copy in a function of its own, the loop
+    state handed on through shared memory. Bit-identical to the unsplit PTX
+    (same FMAs in the same order), and right against float64."""
+    rng = np.random.default_rng(7)
+    rendered, tptx = template(name)
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, 0.7, zero_channels=1)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    whole, s1 = specialise(tptx, rendered, w)
+    split, s2 = specialise(tptx, rendered, w, piece_lines=1)
+    assert s1.pieces == s1.kblocks and s2.pieces == s2.kblocks * s2.chunks > s2.kblocks
+    assert (s2.fmas_kept, s2.fmas_deleted) == (s1.fmas_kept, s1.fmas_deleted)
+    y_split = run_ptx(split, rendered, x, bias)
+    np.testing.assert_array_equal(y_split, run_ptx(whole, rendered, x, bias))
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert relative_l2(y_split, ref) <= 1e-5
+
+
+def test_a_piece_that_drops_an_accumulator_is_caught(monkeypatch):
+    """Mutation check: if the loop state handed between pieces missed a
+    register (here one of them), the result must change."""
+    real = spec_mod._piece_interface
+    monkeypatch.setattr(spec_mod, "_piece_interface",
+                        lambda *a: tuple(tuple(r for r in regs if r != real(*a)[0][-1]) for regs in real(*a)))
+    rendered, tptx = template("blocks_and_chunks")
+    layout = spec_mod.analyse_template(tptx, rendered)
+    rng = np.random.default_rng(3)
+    w = pruned_weight(rng, rendered.shape.weight_shape, 0.5)
+    x = rng.standard_normal((1, 5, 9, 13)).astype(np.float32)
+    ptx, _ = specialise(tptx, rendered, w, layout, piece_lines=1)
+    with pytest.raises((PtxInterpreterError, AssertionError)):
+        y = run_ptx(ptx, rendered, x, np.zeros(7, np.float32))
+        ref = conv2d_reference(x, w, None, rendered.shape.stride, rendered.shape.padding)
+        assert relative_l2(y, ref) <= 1e-5

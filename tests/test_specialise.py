@@ -182,3 +182,36 @@ def test_benchmark_layer_templates_compile_and_analyse(op):
     r = render(op.shape, default_tiling(op.shape))
     layout = analyse_template(compile_to_ptx(r.source, Target(), op.name), r)
     assert layout.fmas_per_weight == default_tiling(op.shape).thread_w
+
+
+@pytest.mark.parametrize("name", ["multi_block_multi_chunk", "dilated", "thread_h2", "grouped", "pointwise"])
+def test_split_k_blocks_keep_every_fma_and_assemble(name):
+    """piece_lines=1 puts each chunk copy in a function of its own: the same
+    FMAs, one piece function per (k-block, chunk), the entry calling each
+    k-block's pieces in order, the loop state in one shared array, and ptxas
+    + nvlink accept the result."""
+    rendered, tptx = template(name)
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.8)
+    whole, s1 = specialise(tptx, rendered, w)
+    split, s2 = specialise(tptx, rendered, w, piece_lines=1)
+    assert fma_weights(split) == fma_weights(whole)
+    assert s2.pieces == s2.kblocks * s2.chunks
+    funcs = re.findall(r"^\.func (sc_kblock_\w+)\(", split, re.M)
+    calls = re.findall(r"call\.uni\s+(sc_kblock_\w+),", split)
+    assert calls == funcs  # each function called once, in order
+    if s2.chunks > 1:
+        assert funcs == [f"sc_kblock_{b}_p{j}" for b in range(s2.kblocks) for j in range(s2.chunks)]
+        assert split.count(".weak .shared .align 16 .b8 sc_state[") == 1
+        assert split.count("// loop state for the next piece") == s2.kblocks * (s2.chunks - 1)
+        assert split.count("// loop state from the previous piece") == s2.kblocks * (s2.chunks - 1)
+    else:
+        assert split == whole
+    assert len(split_module(split)) == len(funcs) + 1
+    assert_valid_ptx(split)
+
+
+def test_default_piece_budget_leaves_small_layers_unsplit():
+    rendered, tptx = template("multi_block_multi_chunk")
+    w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
+    ptx, stats = specialise(tptx, rendered, w)
+    assert stats.pieces == stats.kblocks and "sc_state" not in ptx

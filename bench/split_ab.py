@@ -1,0 +1,81 @@
+"""Kernel time of split k-blocks (piece functions, the default) against the
+same layer specialised whole (one function per k-block), on one GPU.
+
+    python bench/split_ab.py [--sparsity 0.9] [--batches 1 64] [--json out.json]
+
+Both variants run the same FMAs in the same order, so their outputs must be
+bit-identical; the table gives the median device time of each (CUDA events
+around back-to-back launches, cupyx.profiler.benchmark) and split / whole."""
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from cupyx.profiler import benchmark
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from reference import pruned_weight  # noqa: E402
+from sparseconv.assemble import assemble_cubin  # noqa: E402
+from sparseconv.build import build_conv2d  # noqa: E402
+from sparseconv.cache import ArtifactCache  # noqa: E402
+from sparseconv.compile import compile_to_ptx  # noqa: E402
+from sparseconv.kernel import Conv2dKernel  # noqa: E402
+from sparseconv.render import render  # noqa: E402
+from sparseconv.specialise import specialise  # noqa: E402
+from sparseconv.zoo import model_layers  # noqa: E402
+
+LAYERS = [("vgg16", "conv2_2"), ("vgg16", "conv3_2"), ("vgg16", "conv4_2"), ("vgg16", "conv5_1"),
+          ("resnet50", "layer3.0.conv2"), ("resnet50", "layer4.0.conv1")]
+
+
+def median_us(fn):
+    return float(np.median(benchmark(fn, n_repeat=50, n_warmup=10).gpu_times[0]) * 1e6)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    cache = ArtifactCache(tempfile.mkdtemp(prefix="sparseconv-split-ab-"))
+    rows = []
+    print("| layer | pieces / k-blocks | N | split us | whole us | split / whole | bit-identical |")
+    print("|---|---|---|---|---|---|---|")
+    for model, name in LAYERS:
+        shape = dict(model_layers(model))[name]
+        w = pruned_weight(rng, shape.weight_shape, a.sparsity)
+        bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+        split = build_conv2d(w, shape, cache=cache, name=name)
+        r = render(shape, split.tiling)
+        t = time.perf_counter()
+        ptx, _ = specialise(compile_to_ptx(r.source, split.target), r, w, piece_lines=10 ** 12)
+        whole = dataclasses.replace(split, artifact=assemble_cubin(ptx, split.target, name))
+        whole_build_s = time.perf_counter() - t
+        ks, kw = Conv2dKernel(split, bias), Conv2dKernel(whole, bias)
+        for n in a.batches:
+            x = cp.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32))
+            ys, yw = ks(x), kw(x)
+            same = bool(cp.array_equal(ys, yw))
+            us_s, us_w = median_us(lambda: ks(x, out=ys)), median_us(lambda: kw(x, out=yw))
+            st = split.stats
+            print(f"| {model} {name} | {st['pieces']} / {st['kblocks']} | {n} | {us_s:.1f} | {us_w:.1f} | "
+                  f"{us_s / us_w:.3f} | {same} |", flush=True)
+            rows.append(dict(model=model, layer=name, batch=n, pieces=st["pieces"], kblocks=st["kblocks"],
+                             split_us=us_s, whole_us=us_w, identical=same,
+                             split_assemble_s=st["seconds"]["assemble"], whole_build_s=whole_build_s))
+    ratios = [r["split_us"] / r["whole_us"] for r in rows]
+    print(f"\ngeomean split / whole: {float(np.exp(np.mean(np.log(ratios)))):.3f}; "
+          f"all bit-identical: {all(r['identical'] for r in rows)}")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
