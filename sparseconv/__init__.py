@@ -15,5 +15,5 @@ from .kernel import Conv2dKernel, DenseConv2dKernel, compile_conv2d  # noqa: E40
 from .runner import SparseModel, compile_model  # noqa: E402
 from .shapes import ConvShape, Target, Tiling, default_tiling  # noqa: E402
 
-__all__ = ["compile_conv2d", "Conv2dKernel", "DenseConv2dKernel", "compile_model", "SparseModel", "build_conv2d", "CompiledLayer", "ConvShape", "Tiling",
-           "Target", "default_tiling", "__version__"]
+__all__ = ["compile_conv2d", "Conv2dKernel", "DenseConv2dKernel", "compile_model", "SparseModel", "build_conv2d",
+           "CompiledLayer", "ConvShape", "Tiling", "Target", "default_tiling", "__version__"]

@@ -33,11 +33,12 @@ import platform
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import __version__
+from .dense import columns_to_nchw, conv2d_im2col, im2col, torch_flags  # noqa: F401 (re-exported)
 from .shapes import ConvShape
 
 SWEEP = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -191,44 +192,6 @@ def benchmark_layers() -> List[BenchLayer]:
 def model_bench_layers(model: Any) -> List[BenchLayer]:
     """A loaded model's conv layers (sparseconv.model.PrunedModel), with their own weights."""
     return [BenchLayer(layer.name, layer.shape, layer.weight, layer.bias) for layer in model.layers]
-
-
-def im2col(x: Any, shape: ConvShape, xp: Any = np) -> Any:
-    """(N, C, H, W) -> (C*R*S, N*Ho*Wo) columns, rows ordered (c, r, s) as the
-    weight's flattening, columns (n, ho, wo). Works with NumPy or CuPy (`xp`);
-    the benchmark's timed im2col is the one-launch GPU kernel below, checked
-    against this one through the float64 reference."""
-    s = shape
-    n = x.shape[0]
-    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    xpad = xp.zeros((n, s.in_channels, s.in_h + 2 * ph, s.in_w + 2 * pw), dtype=x.dtype)
-    xpad[:, :, ph:ph + s.in_h, pw:pw + s.in_w] = x
-    cols = xp.empty((s.in_channels, s.kernel_h, s.kernel_w, n, s.out_h, s.out_w), dtype=x.dtype)
-    for r in range(s.kernel_h):
-        for q in range(s.kernel_w):
-            rows = slice(r * dh, r * dh + sh * (s.out_h - 1) + 1, sh)
-            colz = slice(q * dw, q * dw + sw * (s.out_w - 1) + 1, sw)
-            cols[:, r, q] = xpad[:, :, rows, colz].transpose(1, 0, 2, 3)
-    return cols.reshape(s.in_channels * s.kernel_h * s.kernel_w, n * s.out_h * s.out_w)
-
-
-def columns_to_nchw(y: Any, batch: int, shape: ConvShape) -> Any:
-    """(K, N*Ho*Wo) GEMM output (either memory order) -> logical (N, K, Ho, Wo)."""
-    return y.reshape(shape.out_channels, batch, shape.out_h, shape.out_w).transpose(1, 0, 2, 3)
-
-
-def conv2d_im2col(x: Any, w: Any, shape: ConvShape, bias: Any = None, xp: Any = np) -> Any:
-    """float64 convolution by im2col + GEMM, one GEMM per group: the reference
-    for the baselines (and for sparseconv when torch is missing)."""
-    x64 = xp.asarray(x, dtype=xp.float64)
-    cols = im2col(x64, shape, xp)
-    g = shape.groups
-    w64 = xp.asarray(w, dtype=xp.float64).reshape(g, shape.k_per_group, -1)
-    y = xp.matmul(w64, cols.reshape(g, -1, cols.shape[1])).reshape(shape.out_channels, -1)
-    y = columns_to_nchw(y, x.shape[0], shape)
-    if bias is not None:
-        y = y + xp.asarray(bias, dtype=xp.float64)[None, :, None, None]
-    return y
 
 
 def rel_l2(y: Any, ref: Any, xp: Any = np) -> float:
@@ -503,22 +466,6 @@ def torch_graph(launch: Launch, k: int) -> Launch:
         for _ in range(k):
             launch()
     return graph.replay
-
-
-@contextlib.contextmanager
-def torch_flags(torch: Any, tf32: bool, cudnn_benchmark: bool) -> Iterator[None]:
-    """Set TF32 (cuDNN and cuBLAS) and cudnn.benchmark; restore them afterwards."""
-    import warnings
-
-    flags = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = (flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # newer torch nudges towards fp32_precision; the legacy flags still rule
-        flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark = tf32, tf32, cudnn_benchmark
-        try:
-            yield
-        finally:
-            flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark = saved
 
 
 _IM2COL_SOURCE = r"""

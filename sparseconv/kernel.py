@@ -26,6 +26,22 @@ def _host_array(a: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
+    """A cupy.cuda.Stream for a CuPy or torch.cuda stream (same stream, no copy)."""
+    import cupy
+
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    ptr = getattr(stream, "cuda_stream", None)  # a torch.cuda.Stream
+    if not isinstance(ptr, int):
+        raise TypeError(f"{what}: stream must be a cupy.cuda.Stream or torch.cuda.Stream, "
+                        f"got {type(stream).__name__}")
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14 prefers it
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(ptr, device_id)
+
+
 class Conv2dKernel:
     """A pruned conv layer compiled to a specialised kernel on one GPU.
 
@@ -108,16 +124,8 @@ class Conv2dKernel:
             else self._check_out(out, x)
         if x.shape[0] == 0:
             return out
-        if stream is not None and not isinstance(stream, cupy.cuda.Stream):
-            ptr = getattr(stream, "cuda_stream", None)  # a torch.cuda.Stream
-            if not isinstance(ptr, int):
-                raise TypeError(f"{self.layer.name}: stream must be a cupy.cuda.Stream or torch.cuda.Stream, "
-                                f"got {type(stream).__name__}")
-            from_external = getattr(cupy.cuda.Stream, "from_external", None)
-            if from_external is not None and hasattr(stream, "__cuda_stream__"):
-                stream = from_external(stream)
-            else:
-                stream = cupy.cuda.ExternalStream(ptr, self.device_id)
+        if stream is not None:
+            stream = as_cupy_stream(stream, self.device_id, self.layer.name)
         with (stream if stream is not None else cupy.cuda.get_current_stream()):
             self._launch(x, out)
         return out
@@ -147,7 +155,7 @@ class DenseConv2dKernel(Conv2dKernel):
     backend = "dense"
 
     def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray], weight: np.ndarray) -> None:
-        from .tune import dense_conv2d
+        from .dense import dense_conv2d
 
         super().__init__(layer, bias)
         dense = dense_conv2d(weight, bias, layer.shape)
@@ -182,6 +190,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
     if isinstance(tiling, str) and tiling != "auto":
         raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
+    if not isinstance(tune_batch, int) or tune_batch < 1:
+        raise ValueError(f"{name}: tune_batch must be a positive int, got {tune_batch!r}")
     w = _host_array(weight, f"{name}: weight")
     shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
     b = None

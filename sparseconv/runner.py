@@ -12,7 +12,6 @@ when the model is loaded, naming the node, before any compile starts.
 """
 from __future__ import annotations
 
-import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .dense import conv2d_im2col
 from .model import ConvLayer, ModelError, load_model
 
 
@@ -222,20 +222,8 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, An
 
 
 def conv2d_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
-    """Dense float64 convolution (the reference): sliding windows + tensordot."""
-    s = layer.shape
-    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    w = layer.weight.astype(np.float64)
-    xpad = np.pad(np.asarray(x, np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    span = (dh * (s.kernel_h - 1) + 1, dw * (s.kernel_w - 1) + 1)
-    win = np.lib.stride_tricks.sliding_window_view(xpad, span, axis=(2, 3))[:, :, ::sh, ::sw, ::dh, ::dw]
-    cg, kg = s.in_channels // s.groups, s.out_channels // s.groups
-    parts = [np.tensordot(win[:, g * cg:(g + 1) * cg], w[g * kg:(g + 1) * kg], axes=([1, 4, 5], [1, 2, 3]))
-             for g in range(s.groups)]
-    y = np.concatenate(parts, axis=3).transpose(0, 3, 1, 2)
-    if layer.bias is not None:
-        y = y + layer.bias.astype(np.float64)[None, :, None, None]
-    return np.ascontiguousarray(y)
+    """Dense float64 convolution of one layer (the reference)."""
+    return np.ascontiguousarray(conv2d_im2col(x, layer.weight, layer.shape, layer.bias))
 
 
 def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:

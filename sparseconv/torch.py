@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kernel import Conv2dKernel
+from .kernel import Conv2dKernel, as_cupy_stream
 from .shapes import ConvShape, shape_from_weight
 
 
@@ -101,14 +101,9 @@ class SparseConv2d(nn.Module):
         self._streams: Dict[int, Any] = {}
 
     def _cupy_stream(self, device: torch.device) -> Any:
-        import cupy
-
         stream = torch.cuda.current_stream(device)
-        if stream.cuda_stream not in self._streams:
-            from_external = getattr(cupy.cuda.Stream, "from_external", None)
-            self._streams[stream.cuda_stream] = (  # CuPy >= 14 wants from_external
-                from_external(stream) if from_external and hasattr(stream, "__cuda_stream__")
-                else cupy.cuda.ExternalStream(stream.cuda_stream, device.index))
+        if stream.cuda_stream not in self._streams:  # cached: one wrapper per torch stream
+            self._streams[stream.cuda_stream] = as_cupy_stream(stream, device.index, self.layer_name)
         return self._streams[stream.cuda_stream]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +152,8 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
 
     from .kernel import compile_layers
 
+    if not 0.0 <= min_sparsity <= 1.0:
+        raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
     if not isinstance(example_input, torch.Tensor) or not example_input.is_cuda:
         raise ValueError("sparsify: example_input must be a CUDA tensor (the model runs on the GPU); "
                          "move the model and the example with .cuda()")

@@ -22,6 +22,7 @@ import numpy as np
 from .batch import LayerJob, build_many
 from .build import SPECIALISER_VERSION, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
+from .dense import dense_conv2d
 from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
 
 SPARSE, DENSE = "sparseconv", "dense"
@@ -48,37 +49,6 @@ def median_us(fn: Callable[[], Any], batch: int) -> float:
 
     r = benchmark(fn, n_repeat=100 if batch <= 4 else 20, n_warmup=3)
     return float(np.median(r.gpu_times[0]) * 1e6)
-
-
-def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape) -> Optional[Callable[..., Any]]:
-    """f(x_cupy, out_cupy): cuDNN strict fp32 through torch on CuPy's current
-    stream, or None when torch (with CUDA) is not installed."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    import cupy
-
-    dev = torch.device("cuda", cupy.cuda.Device().id)
-    # Copies: torch refuses to share read-only NumPy memory.
-    w = torch.from_numpy(np.array(weight, np.float32)).to(dev)
-    b = None if bias is None else torch.from_numpy(np.array(bias, np.float32)).to(dev)
-
-    def run(x: Any, out: Any) -> None:
-        ptr = cupy.cuda.get_current_stream().ptr
-        stream = torch.cuda.default_stream(dev) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=dev)
-        saved = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = False  # exact fp32, like the sparse kernel
-        try:
-            with torch.cuda.stream(stream), torch.no_grad():
-                y = torch.nn.functional.conv2d(torch.from_dlpack(x), w, b, shape.stride, shape.padding,
-                                               shape.dilation, shape.groups)
-                torch.from_dlpack(out).copy_(y)
-        finally:
-            torch.backends.cudnn.allow_tf32 = saved
-    return run
 
 
 def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray], *, target: Target,

@@ -7,16 +7,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from reference import relative_l2
+
 pytestmark = pytest.mark.gpu
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 LENET = MODELS / "lenet_digits_pruned.onnx"
 DIGITS = MODELS / "digits_test.npz"
 
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_shipped_lenet_gives_the_dense_predictions_on_the_whole_test_split(session_cache_dir):
@@ -32,12 +30,12 @@ def test_shipped_lenet_gives_the_dense_predictions_on_the_whole_test_split(sessi
     y = predict(model, x, 128)
     ref = predict(lambda b: run_reference(model.program, b)[0], x, 450)
     assert np.array_equal(y.argmax(1), ref.argmax(1))  # all 450 predictions
-    assert _rel(y, ref) <= 1e-5
+    assert relative_l2(y, ref) <= 1e-5
     record = json.loads((MODELS / "lenet_digits.json").read_text())
     assert int(np.sum(y.argmax(1) == labels)) == round(record["pruned_test_accuracy"] * len(x))
     # A fresh random batch too (never only the dataset).
     xr = cp.random.default_rng().random((7, 1, 8, 8), dtype=cp.float32)
-    assert _rel(model(xr).get(), run_reference(model.program, xr)[0]) <= 1e-5
+    assert relative_l2(model(xr).get(), run_reference(model.program, xr)[0]) <= 1e-5
 
 
 def test_cli_run_checks_against_the_dense_reference(session_cache_dir, tmp_path):

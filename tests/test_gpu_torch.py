@@ -3,12 +3,10 @@ on fresh random inputs."""
 import numpy as np
 import pytest
 
+from reference import relative_l2
+
 pytestmark = pytest.mark.gpu
 
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 torch = pytest.importorskip("torch")
@@ -70,7 +68,8 @@ def test_sparsify_matches_the_original_model(session_cache_dir):
     assert isinstance(fast.stem, sct.SparseConv2d) and isinstance(net.stem, nn.Conv2d)  # a copy was changed
     with torch.no_grad():
         y = fast(x)
-    assert y.dtype == torch.float32 and _rel(y.cpu(), _float64_output(net, x).cpu()) <= 1e-5
+    assert y.dtype == torch.float32
+    assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
 
 
 def test_sparsify_runs_on_the_current_torch_stream_and_any_batch(session_cache_dir):
@@ -84,7 +83,7 @@ def test_sparsify_runs_on_the_current_torch_stream_and_any_batch(session_cache_d
         x_s = x * 1.0  # produced on `stream`: the kernels must follow it there
         y = fast(x_s)
     stream.synchronize()
-    assert _rel(y.cpu(), _float64_output(net, x).cpu()) <= 1e-5
+    assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
 
 
 def test_sparsify_prune_reparametrised_convs(session_cache_dir):
@@ -101,7 +100,7 @@ def test_sparsify_prune_reparametrised_convs(session_cache_dir):
     plan = {p.name: p for p in fast.sparseconv_plan}
     assert plan["stem"].action == "sparseconv" and abs(plan["stem"].sparsity - 0.9) < 0.01
     with torch.no_grad():
-        assert _rel(fast(x).cpu(), _float64_output(net, x).cpu()) <= 1e-5
+        assert relative_l2(fast(x).cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
 
 
 def test_sparse_conv_refuses_gradients_and_wrong_sizes(session_cache_dir):

@@ -50,3 +50,9 @@ def test_plan_says_which_convs_compile_and_why_the_others_stay():
 def test_sparsify_needs_a_cuda_example():
     with pytest.raises(ValueError, match="CUDA tensor"):
         sparsify(Mixed(), torch.randn(1, 3, 10, 12))
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_sparsify_refuses_a_min_sparsity_outside_0_1(value):
+    with pytest.raises(ValueError, match="min_sparsity"):
+        sparsify(Mixed(), torch.randn(1, 3, 10, 12), min_sparsity=value)

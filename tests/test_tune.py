@@ -7,7 +7,8 @@ from sparseconv.cache import ArtifactCache
 
 
 @pytest.mark.parametrize("kwargs,match", [({"backend": "fastest"}, "backend must be"),
-                                          ({"tiling": "best"}, "tiling must be")])
+                                          ({"tiling": "best"}, "tiling must be"),
+                                          ({"tiling": "auto", "tune_batch": 0}, "tune_batch must be")])
 def test_bad_tuning_options_are_refused_before_any_work(kwargs, match):
     w = np.ones((4, 2, 3, 3), np.float32)
     with pytest.raises(ValueError, match=match):

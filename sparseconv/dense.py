@@ -1,0 +1,98 @@
+"""The dense paths, shared by the runner, the tuner and the benchmark.
+
+* im2col / conv2d_im2col: a float64 convolution by im2col + GEMM for NumPy or
+  CuPy (`xp`): the dense reference of `sparseconv run --check` and of the
+  benchmark's baselines.
+* dense_conv2d: cuDNN through torch in strict fp32 (TF32 off), the path
+  backend="auto" falls back to.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from .shapes import ConvShape
+
+
+def im2col(x: Any, shape: ConvShape, xp: Any = np) -> Any:
+    """(N, C, H, W) -> (C*R*S, N*Ho*Wo) columns, rows ordered (c, r, s) as the
+    weight's flattening, columns (n, ho, wo). Works with NumPy or CuPy (`xp`);
+    the benchmark's timed im2col is the one-launch GPU kernel below, checked
+    against this one through the float64 reference."""
+    s = shape
+    n = x.shape[0]
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    xpad = xp.zeros((n, s.in_channels, s.in_h + 2 * ph, s.in_w + 2 * pw), dtype=x.dtype)
+    xpad[:, :, ph:ph + s.in_h, pw:pw + s.in_w] = x
+    cols = xp.empty((s.in_channels, s.kernel_h, s.kernel_w, n, s.out_h, s.out_w), dtype=x.dtype)
+    for r in range(s.kernel_h):
+        for q in range(s.kernel_w):
+            rows = slice(r * dh, r * dh + sh * (s.out_h - 1) + 1, sh)
+            colz = slice(q * dw, q * dw + sw * (s.out_w - 1) + 1, sw)
+            cols[:, r, q] = xpad[:, :, rows, colz].transpose(1, 0, 2, 3)
+    return cols.reshape(s.in_channels * s.kernel_h * s.kernel_w, n * s.out_h * s.out_w)
+
+
+def columns_to_nchw(y: Any, batch: int, shape: ConvShape) -> Any:
+    """(K, N*Ho*Wo) GEMM output (either memory order) -> logical (N, K, Ho, Wo)."""
+    return y.reshape(shape.out_channels, batch, shape.out_h, shape.out_w).transpose(1, 0, 2, 3)
+
+
+def conv2d_im2col(x: Any, w: Any, shape: ConvShape, bias: Any = None, xp: Any = np) -> Any:
+    """float64 convolution by im2col + GEMM, one GEMM per group: the reference
+    for the baselines (and for sparseconv when torch is missing)."""
+    x64 = xp.asarray(x, dtype=xp.float64)
+    cols = im2col(x64, shape, xp)
+    g = shape.groups
+    w64 = xp.asarray(w, dtype=xp.float64).reshape(g, shape.k_per_group, -1)
+    y = xp.matmul(w64, cols.reshape(g, -1, cols.shape[1])).reshape(shape.out_channels, -1)
+    y = columns_to_nchw(y, x.shape[0], shape)
+    if bias is not None:
+        y = y + xp.asarray(bias, dtype=xp.float64)[None, :, None, None]
+    return y
+
+
+@contextlib.contextmanager
+def torch_flags(torch: Any, tf32: bool, cudnn_benchmark: bool) -> Iterator[None]:
+    """Set TF32 (cuDNN and cuBLAS) and cudnn.benchmark; restore them afterwards."""
+    import warnings
+
+    flags = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # newer torch nudges towards fp32_precision; the legacy flags still rule
+        flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark = tf32, tf32, cudnn_benchmark
+        try:
+            yield
+        finally:
+            flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark = saved
+
+
+def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape) -> Optional[Callable[..., Any]]:
+    """f(x_cupy, out_cupy): cuDNN strict fp32 through torch on CuPy's current
+    stream, or None when torch (with CUDA) is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    import cupy
+
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    # Copies: torch refuses to share read-only NumPy memory.
+    w = torch.from_numpy(np.array(weight, np.float32)).to(dev)
+    b = None if bias is None else torch.from_numpy(np.array(bias, np.float32)).to(dev)
+
+    def run(x: Any, out: Any) -> None:
+        ptr = cupy.cuda.get_current_stream().ptr
+        stream = torch.cuda.default_stream(dev) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=dev)
+        # TF32 off: exact fp32, like the sparse kernel.
+        with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark), \
+                torch.cuda.stream(stream), torch.no_grad():
+            y = torch.nn.functional.conv2d(torch.from_dlpack(x), w, b, shape.stride, shape.padding,
+                                           shape.dilation, shape.groups)
+            torch.from_dlpack(out).copy_(y)
+    return run
