@@ -1,7 +1,11 @@
 """Run every benchmark layer's kernel once (sparsity 0.9, batch 2), for
-`compute-sanitizer --tool memcheck --error-exitcode 1 python bench/memcheck_layers.py`.
+`compute-sanitizer --tool memcheck --error-exitcode 1 python bench/memcheck_layers.py`
+and (shared-memory races of the double-buffered staging, on a few layers, as
+racecheck is slow) `compute-sanitizer --tool racecheck --error-exitcode 1
+python bench/memcheck_layers.py 'lenet-*,resnet-conv2'`.
 
 Checks results too, so a run that passes memcheck is also known to be right."""
+import fnmatch
 import sys
 import tempfile
 from pathlib import Path
@@ -17,9 +21,12 @@ from sparseconv.operators import benchmark_operators  # noqa: E402
 
 def main() -> int:
     rng = np.random.default_rng()
-    cache = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+    patterns = sys.argv[1].split(",") if len(sys.argv) > 1 else ["*"]
+    cache = tempfile.mkdtemp()
     worst = 0.0
     for op in benchmark_operators():
+        if not any(fnmatch.fnmatch(op.name, p) for p in patterns):
+            continue
         s = op.shape
         w = pruned_weight(rng, s.weight_shape, 0.9)
         conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), stride=s.stride, padding=s.padding,

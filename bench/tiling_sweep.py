@@ -1,7 +1,8 @@
 """Time candidate tilings of the benchmark layers, all in one run on one GPU.
 
     python bench/tiling_sweep.py [--sparsity 0.9] [--json out.json]
-    python bench/tiling_sweep.py --grid --kblocks 16 32 --thread-w 2 4 --thread-h 1 2 --threads 128 256 512
+    python bench/tiling_sweep.py --grid --kblocks 16 32 --thread-w 2 4 --thread-h 1 2 --threads 128 256 512 \
+        --min-blocks 1 2
 
 Builds every (layer, tiling) in parallel first, then times each at batch 1 and
 64 (median of CUDA events over back-to-back launches), so ratios come from the
@@ -35,9 +36,9 @@ def grid_tilings(shape, a):
     for k in a.kblocks:
         for tw in a.thread_w:
             for th in a.thread_h:
-                for n in a.threads:
+                for n, mb in ((n, mb) for n in a.threads for mb in a.min_blocks):
                     try:
-                        t = tiling_for(shape, k, tw, th, n)
+                        t = tiling_for(shape, k, tw, th, n, mb)
                         check_tiling(shape, t)
                     except ValueError:
                         continue
@@ -56,6 +57,8 @@ def main() -> None:
     p.add_argument("--thread-w", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--thread-h", type=int, nargs="+", default=[1])
     p.add_argument("--threads", type=int, nargs="+", default=[128])
+    p.add_argument("--min-blocks", type=int, nargs="+", default=[1],
+                   help="blocks per SM the register cap must allow (Tiling.min_blocks)")
     p.add_argument("--layers", nargs="+", default=None, help="only these benchmark layers")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     a = p.parse_args()

@@ -56,9 +56,13 @@ def split_module(ptx: str) -> List[str]:
     return funcs + entries
 
 
-def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None) -> bytes:
-    """ptxas (+ nvlink): PTX text -> cubin bytes. Raises CompileError carrying the log."""
+def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None,
+                   max_registers: int = 255) -> bytes:
+    """ptxas (+ nvlink): PTX text -> cubin bytes. Raises CompileError carrying the log.
+    max_registers caps every function: separately compiled functions do not see
+    the entry's __launch_bounds__, and the kernel needs the most any of them uses."""
     ptxas = find_tool("ptxas")
+    flags = [f"-arch={target.arch}", *PTXAS_FLAGS, f"-maxrregcount={max_registers}"]
     try:
         nvlink: Optional[Path] = find_tool("nvlink")
     except ToolNotFoundError:
@@ -69,13 +73,13 @@ def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = No
         if len(pieces) <= 2:  # one function and its entry: nothing to gain
             src = Path(tmp) / "layer.ptx"
             src.write_text(ptx)
-            run_tool([str(ptxas), f"-arch={target.arch}", *PTXAS_FLAGS, str(src), "-o", str(cubin)], ptx, what)
+            run_tool([str(ptxas), *flags, str(src), "-o", str(cubin)], ptx, what)
             return cubin.read_bytes()
 
         def compile_piece(i: int) -> str:
             src, obj = Path(tmp) / f"part{i}.ptx", Path(tmp) / f"part{i}.o"
             src.write_text(pieces[i])
-            run_tool([str(ptxas), "-c", f"-arch={target.arch}", *PTXAS_FLAGS, str(src), "-o", str(obj)],
+            run_tool([str(ptxas), "-c", *flags, str(src), "-o", str(obj)],
                      pieces[i], f"{what}, function {i}")
             return str(obj)
 

@@ -17,7 +17,7 @@ from .assemble import PTXAS_FLAGS, assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
-from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_size
+from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
 from .specialise import analyse_template, specialise
 
 # Bump when the specialiser's output for the same input changes.
@@ -52,8 +52,7 @@ class CompiledLayer:
 
     @property
     def shared_bytes(self) -> int:
-        ph, pw = patch_size(self.shape, self.tiling)
-        return self.tiling.c_block * ph * pw * 4
+        return patch_buffer_bytes(self.shape, self.tiling)
 
 
 def template_cache_key(source: str, target: Target) -> str:
@@ -108,7 +107,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     ptx_sha = hashlib.sha256(ptx.encode()).hexdigest()
 
     t = time.perf_counter()
-    artifact = assemble_cubin(ptx, target, what) if use_ptxas else ptx.encode()
+    artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
     stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), target=target.arch,

@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 
 import jinja2
 
-from .shapes import ConvShape, Tiling, check_tiling, n_kblocks, patch_size
+from .shapes import ConvShape, Tiling, check_tiling, n_kblocks, patch_size, stage_steps
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"
 ENTRY_NAME = "sc_conv2d"
@@ -98,7 +98,7 @@ def render(shape: ConvShape, tiling: Tiling) -> RenderedTemplate:
         KB=tiling.k_block, CB=tiling.c_block, BH=tiling.thread_h, BW=tiling.thread_w,
         TH=tiling.tile_h, TW=tiling.tile_w, TILES_W=tiles_w,
         THREADS_X=tiling.threads_x, THREADS=tiling.threads,
-        PATCH_H=ph, PATCH_W=pw,
+        PATCH_H=ph, PATCH_W=pw, STAGE_STEPS=stage_steps(shape, tiling),
         ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1,
         placeholder=placeholder,
     )

@@ -13,8 +13,13 @@ IntPair = Union[int, Tuple[int, int]]
 # ptxas time grow faster than linearly with straight-line code, so the template
 # never holds more than this; bigger layers are built from copies of its PTX.
 MAX_BODY_WEIGHTS = 576
-# Static shared memory of one block (the input patch of one chunk of channels).
+# Shared memory of one block without opting in: the input patches of two chunks
+# of channels (double buffered: one is read while the next is copied in).
 MAX_PATCH_BYTES = 48 * 1024
+# Patch elements one thread copies per chunk, at most. The source offset of each
+# is kept in a register for the whole kernel (see the template), so this bounds
+# the registers staging takes.
+MAX_STAGE_STEPS = 24
 
 
 def pair(value: IntPair, name: str) -> Tuple[int, int]:
@@ -121,6 +126,10 @@ class Tiling:
     tile_w: int
     thread_h: int = 1
     thread_w: int = 1
+    # Blocks that must fit on one SM at once. Sets the register cap (max_registers):
+    # the kernel's code is streamed, not looped, so what keeps the SM busy is many
+    # warps walking the same instructions (see docs/PERFORMANCE.md).
+    min_blocks: int = 1
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -131,6 +140,9 @@ class Tiling:
                              f"per-thread {self.thread_h}x{self.thread_w}")
         if self.threads > 1024:
             raise ValueError(f"tiling gives {self.threads} threads per block; at most 1024")
+        if self.threads * self.min_blocks > 2048 or self.max_registers < 32:
+            raise ValueError(f"{self.min_blocks} blocks of {self.threads} threads do not fit on one SM "
+                             f"(at most 2048 threads and 65536 registers, 32 or more per thread)")
 
     @property
     def threads_x(self) -> int:
@@ -140,9 +152,19 @@ class Tiling:
     def threads(self) -> int:
         return (self.tile_h // self.thread_h) * self.threads_x
 
+    @property
+    def max_registers(self) -> int:
+        """ptxas register cap per thread so that min_blocks blocks fit on an SM.
+        An SM is 4 sub-partitions of 16K registers, and a block's warps are dealt
+        out over them, so the busiest one holds ceil(warps / 4) of each block
+        (ptxas derives the same cap from __launch_bounds__: 128 for 2 x 7 warps)."""
+        warps_per_partition = -(-(-(-self.threads // 32)) // 4) * self.min_blocks
+        return min(255, 16384 // (32 * warps_per_partition) // 8 * 8)
+
     def describe(self) -> str:
+        blocks = f", {self.min_blocks} blocks/SM" if self.min_blocks > 1 else ""
         return (f"k_block={self.k_block} c_block={self.c_block} tile={self.tile_h}x{self.tile_w} "
-                f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads)")
+                f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads{blocks})")
 
 
 @dataclass(frozen=True)
@@ -163,6 +185,18 @@ def patch_size(shape: ConvShape, tiling: Tiling) -> Tuple[int, int]:
     return ph, pw
 
 
+def patch_buffer_bytes(shape: ConvShape, tiling: Tiling) -> int:
+    """Dynamic shared memory of one block: two buffers of c_block input patches."""
+    ph, pw = patch_size(shape, tiling)
+    return 2 * tiling.c_block * ph * pw * 4
+
+
+def stage_steps(shape: ConvShape, tiling: Tiling) -> int:
+    """Patch elements each thread copies per chunk."""
+    ph, pw = patch_size(shape, tiling)
+    return -(-tiling.c_block * ph * pw // tiling.threads)
+
+
 def n_chunks(shape: ConvShape, tiling: Tiling) -> int:
     return math.ceil(shape.c_per_group / tiling.c_block)
 
@@ -177,9 +211,8 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     if body > MAX_BODY_WEIGHTS * 4:
         raise ValueError(f"tiling {tiling.describe()} puts {body} weights in one template body; "
                          f"keep k_block*c_block*R*S <= {MAX_BODY_WEIGHTS * 4} or compile time explodes")
-    ph, pw = patch_size(shape, tiling)
-    if tiling.c_block * ph * pw * 4 > MAX_PATCH_BYTES:
-        raise ValueError(f"tiling {tiling.describe()} needs {tiling.c_block * ph * pw * 4} bytes of "
+    if patch_buffer_bytes(shape, tiling) > MAX_PATCH_BYTES:
+        raise ValueError(f"tiling {tiling.describe()} needs {patch_buffer_bytes(shape, tiling)} bytes of "
                          f"shared memory per block; at most {MAX_PATCH_BYTES}: lower c_block or the tile")
     if tiling.k_block > shape.k_per_group:
         raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
@@ -187,10 +220,12 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
         raise ValueError(f"c_block={tiling.c_block} exceeds the {shape.c_per_group} input channels per group")
 
 
-def tiling_for(shape: ConvShape, k_block: int, thread_w: int, thread_h: int = 1, threads: int = 128) -> Tiling:
+def tiling_for(shape: ConvShape, k_block: int, thread_w: int, thread_h: int = 1, threads: int = 128,
+               min_blocks: int = 1) -> Tiling:
     """The tiling with this many output channels per block and outputs per
     thread: about `threads` threads, the largest c_block the body bound
-    allows, shrunk until the input patch fits in shared memory."""
+    allows, shrunk until the input patches fit in shared memory and each
+    thread copies at most MAX_STAGE_STEPS elements per chunk."""
     k_block = min(k_block, shape.k_per_group)
     thread_w = min(thread_w, shape.out_w)
     thread_h = min(thread_h, shape.out_h)
@@ -198,8 +233,10 @@ def tiling_for(shape: ConvShape, k_block: int, thread_w: int, thread_h: int = 1,
     rows = max(1, min(math.ceil(shape.out_h / thread_h), threads // threads_x))
     rs = shape.kernel_h * shape.kernel_w
     t = Tiling(k_block, max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS // (k_block * rs))),
-               rows * thread_h, threads_x * thread_w, thread_h, thread_w)
-    while t.c_block * patch_size(shape, t)[0] * patch_size(shape, t)[1] * 4 > MAX_PATCH_BYTES:
+               rows * thread_h, threads_x * thread_w, thread_h, thread_w, min_blocks)
+    while t.c_block > 1 and stage_steps(shape, t) > MAX_STAGE_STEPS:
+        t = replace(t, c_block=max(1, min(t.c_block - 1, t.c_block * MAX_STAGE_STEPS // stage_steps(shape, t))))
+    while patch_buffer_bytes(shape, t) > MAX_PATCH_BYTES:
         if t.c_block > 1:
             t = replace(t, c_block=max(1, t.c_block // 2))
         elif t.tile_h > thread_h:
@@ -209,30 +246,56 @@ def tiling_for(shape: ConvShape, k_block: int, thread_w: int, thread_h: int = 1,
     return t
 
 
-def default_tiling(shape: ConvShape) -> Tiling:
-    """32 output channels per block (16 or 8 when R*S is large), 2 outputs per
-    thread along W (1 for outputs at most 16 wide). Chosen by measurement: on
-    the H100 (bench/tiling_sweep.py, 2026-11-22) this rule came within 2% of
-    the best of up to 8 candidates per benchmark layer at batch 64, and was
-    1.56x faster (geomean) than the previous 8 channels x 4 outputs."""
+# Below this many multiply-adds per output, default_tiling keeps 128 threads.
+SHALLOW_MACS = 200
+
+
+def _k_block(shape: ConvShape, k_block: int = 32) -> int:
+    """k_block, halved (down to 8) while k_block * R * S exceeds the body bound."""
     rs = shape.kernel_h * shape.kernel_w
-    k_block = next(k for k in (32, 16, 8) if k * rs <= MAX_BODY_WEIGHTS * 4 or k == 8)
-    return tiling_for(shape, k_block, 1 if shape.out_w <= 16 else 2)
+    while k_block > 8 and k_block * rs > MAX_BODY_WEIGHTS * 4:
+        k_block //= 2
+    return k_block
 
 
-def candidate_tilings(shape: ConvShape, limit: int = 8) -> list:
-    """A bounded set of tilings worth measuring: k_block in {8, 16, 32} x outputs
-    per thread along W in {1, 2, 4}, at most 64 accumulators per thread."""
+def default_tiling(shape: ConvShape) -> Tiling:
+    """32 output channels per block (16 or 8 when R*S is large), one output per
+    thread, 256 threads, registers capped so two blocks fit on an SM. The kernel
+    is straight-line code streamed from the instruction cache, so the more warps
+    walk the same instructions, the less each waits for them. Chosen by
+    measurement: on the H100 (bench/tiling_sweep.py --grid, 2026-11-22) this
+    rule was within 1.2x (geomean) of the best of 18 tilings on the
+    channel-heavy benchmark layers, and 1.5-2x faster than the previous
+    32 channels x 2 outputs x 128 threads (docs/PERFORMANCE.md).
+
+    Layers with under SHALLOW_MACS multiply-adds per output (C/groups * R * S:
+    the first layers of most CNNs) are bound by memory, not by instruction
+    fetch; they keep the previous rule, which measured faster on them."""
+    if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
+        return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
+    return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
+
+
+# (k_block, outputs per thread along W, threads, min_blocks), best first: the
+# default, then the runners-up of the same sweep, then the previous default.
+_CANDIDATES = ((32, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 2), (32, 1, 256, 1), (32, 2, 256, 2),
+               (32, 2, 256, 1), (16, 1, 256, 2), (64, 1, 128, 2), (32, 2, 128, 1))
+
+
+def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
+    """A bounded set of tilings worth measuring (see _CANDIDATES), k_block
+    shrunk as in the default for large kernels, at most 64 accumulators per
+    thread."""
     out = []
-    for k_block in (8, 16, 32):
-        for thread_w in (1, 2, 4):
-            if min(k_block, shape.k_per_group) * min(thread_w, shape.out_w) > 64:
-                continue
-            try:
-                t = tiling_for(shape, k_block, thread_w)
-                check_tiling(shape, t)
-            except ValueError:
-                continue
-            if t not in out:
-                out.append(t)
+    for k_block, thread_w, threads, min_blocks in _CANDIDATES:
+        k_block = _k_block(shape, k_block)
+        if min(k_block, shape.k_per_group) * min(thread_w, shape.out_w) > 64:
+            continue
+        try:
+            t = tiling_for(shape, k_block, thread_w, 1, threads, min_blocks)
+            check_tiling(shape, t)
+        except ValueError:
+            continue
+        if t not in out:
+            out.append(t)
     return out[:limit]

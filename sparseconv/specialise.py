@@ -64,7 +64,7 @@ import numpy as np
 from .ptx import (REG_RE, PtxParseError, Stmt, f32_immediate_bits, parse_module, parse_statements,
                   reg_prefix, register_types, split_operands)
 from .render import ENTRY_NAME, KBLOCK_FUNC, RenderedTemplate, body_index
-from .shapes import MAX_PATCH_BYTES, ConvShape, Tiling, n_chunks, n_kblocks, patch_size
+from .shapes import MAX_PATCH_BYTES, ConvShape, Tiling, n_chunks, n_kblocks, patch_buffer_bytes
 
 
 # Bound on the estimated PTX lines of chunk copies in one function (see the
@@ -377,22 +377,22 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
         index = ph_reg[ops[wp]] if ops[wp] in ph_reg else bits_to_index[f32_immediate_bits(ops[wp])]
         return _Fma(st.pred, st.opcode, st.dest, ops[1 - wp], ops[2], index, st.line)
 
-    # The chunk loop: a label followed by `.pragma "nounroll"` and closed by the
-    # last branch back to it.
-    loops = []
-    for i, st in enumerate(stmts):
-        if st.kind == "label" and i + 1 < len(stmts) and stmts[i + 1].text.strip() == '.pragma "nounroll";':
-            label = st.text[:-1]
-            back = [j for j in range(i + 2, len(stmts)) if _branch_target(stmts[j]) == label]
-            if back:
-                loops.append((i, back[-1], label))
     fma_at = {i: f for i, f in ((i, placeholder_fma(st)) for i, st in enumerate(stmts)) if f is not None}
     if not fma_at:
         raise SpecialiseError("no placeholder FMA found in the template PTX")
     first, last = min(fma_at), max(fma_at)
-    enclosing = [lp for lp in loops if lp[0] < first and lp[1] > last]
+    # The chunk loop: a label before the first placeholder FMA, closed by a
+    # branch back to it after the last. (NVVM marks it `.pragma "nounroll"`,
+    # but drops the mark once the body holds cp.async, so it is no anchor.)
+    branches_after: Dict[str, int] = {}
+    for j in range(last + 1, len(stmts)):
+        tgt = _branch_target(stmts[j])
+        if tgt is not None:
+            branches_after[tgt] = j
+    enclosing = [(i, branches_after[st.text[:-1]], st.text[:-1]) for i, st in enumerate(stmts[:first])
+                 if st.kind == "label" and st.text[:-1] in branches_after]
     if len(enclosing) != 1:
-        raise SpecialiseError(f"expected one `nounroll` loop around all placeholder FMAs, found {len(enclosing)}")
+        raise SpecialiseError(f"expected one loop around all placeholder FMAs, found {len(enclosing)}")
     start, end, loop_label = enclosing[0]
     back_edge = stmts[end]
 
@@ -431,8 +431,8 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
         st = stmts[i]
         if i in fma_at:
             body.append(fma_at[i])
-        elif i == start + 1:
-            continue  # the .pragma "nounroll" of the header
+        elif i == start + 1 and st.text.strip() == '.pragma "nounroll";':
+            continue  # the loop mark, if NVVM kept it
         elif not (st.kind == "instr" and st.dest in ph_reg and st.base_opcode == "mov"):
             body.append(st)
     outside = [st for st in stmts[:start] + stmts[end + 1:]
@@ -710,9 +710,8 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     # Estimated lines of each chunk copy: the body's other statements plus its kept FMAs.
     cost = layout.body_other + np.count_nonzero(bits & 0x7FFFFFFF, axis=2) * layout.fmas_per_weight
     state = _PieceState(layout, tiling.threads)
-    ph, pw = patch_size(shape, tiling)
     rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
-    if state.bytes + tiling.c_block * ph * pw * 4 > MAX_SHARED_BYTES or not rerun_ok:
+    if state.bytes + patch_buffer_bytes(shape, tiling) > MAX_SHARED_BYTES or not rerun_ok:
         budget = 1 << 62  # the state does not fit next to the patch, or the prologue must run once: keep whole
     split: Dict[int, int] = {}  # k-block -> its number of pieces, where more than one
     epi_labels = {st.text[:-1] for st in layout.epilogue if st.kind == "label"}

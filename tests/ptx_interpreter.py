@@ -54,7 +54,10 @@ instruction and its line)
     control     @p / @!p guards on any instruction; bra(.uni); brx.idx(.uni);
                 call(.uni) with params and return params; ret; exit;
                 bar.sync / barrier(.cta).sync(.aligned) with a constant id;
-                membar/fence (no-ops: the interpreter is sequential).
+                membar/fence (no-ops: the interpreter is sequential);
+                cp.async.{ca,cg}.shared.global with src-size zero fill,
+                cp.async.commit_group, wait_group N, wait_all (a copy lands
+                in shared memory only when a wait covers its group).
 
 Checks (each raises PtxInterpreterError): global accesses must fall inside
 one argument array (each array gets a fake base address, 0x1000_0000 apart)
@@ -1228,6 +1231,56 @@ class _Decoder:
 
     op_barrier = op_bar
 
+    def op_cp(self, ins, parts, ops):
+        """cp.async (4/8/16 bytes, global -> shared, zero-fill via src-size),
+        cp.async.commit_group, cp.async.wait_group N / wait_all. A copy reads
+        global memory when issued and writes shared memory only when a wait
+        covers its group, so a kernel that reads a buffer before waiting for
+        it reads stale data here as it may on the GPU."""
+        if parts[1:2] != ["async"]:
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        rest = parts[2:]
+        if rest == ["commit_group"]:
+            return lambda fr, m: fr.ctx.async_commit(m if m is not None else fr.Mnone)
+        if rest in (["wait_group"], ["wait_all"]):
+            keep = 0
+            if rest == ["wait_group"]:
+                self._need(ops, 1, parts)
+                keep = _parse_int(ops[0])
+                if keep is None:
+                    raise PtxInterpreterError("cp.async.wait_group needs a constant")
+            return lambda fr, m: fr.ctx.async_wait(m if m is not None else fr.Mnone, keep)
+        spaces = [p.split("::")[0] for p in rest[1:]]
+        if not rest or rest[0] not in ("ca", "cg") or spaces != ["shared", "global"]:
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        if len(ops) not in (3, 4):
+            raise PtxInterpreterError(f"{'.'.join(parts)} needs [dst], [src], cp-size[, src-size]")
+        cp_size = _parse_int(ops[2])
+        if cp_size not in (4, 8, 16) or (rest[0] == "cg" and cp_size != 16):
+            raise PtxInterpreterError(f"bad cp-size {ops[2]} for {'.'.join(parts)}")
+        dst_base, dst_off = self.address(ops[0])
+        src_base, src_off = self.address(ops[1])
+        src_size = self.src(ops[3], "u32") if len(ops) == 4 else None
+        words = cp_size // 4
+
+        def run(fr, m):
+            ctx = fr.ctx
+            mask = m if m is not None else fr.Mnone
+            lanes = np.ones(ctx.T, bool) if mask is None else mask.copy()
+            size = np.full(ctx.T, cp_size, np.int64) if src_size is None else \
+                np.broadcast_to(np.asarray(src_size(fr, m), np.int64), (ctx.T,))
+            src = np.broadcast_to(np.asarray(_addr(fr, m, src_base, src_off), np.int64), (ctx.T,))
+            vals = []
+            for k in range(words):  # bytes past src-size are zeros, and are not read
+                read = lanes & (size >= 4 * (k + 1))
+                v = np.zeros(ctx.T, np.uint32)
+                if read.any():
+                    v = np.where(read, ctx.load("global", src + 4 * k, read, np.dtype(np.uint32), 1)[0], v)
+                vals.append(v)
+            dst = np.broadcast_to(np.asarray(_addr(fr, m, dst_base, dst_off), np.int64), (ctx.T,)).copy()
+            ctx.async_issue(dst, lanes, vals)
+        return run
+
     def op_membar(self, ins, parts, ops):
         return lambda fr, m: None  # one thread at a time: memory is always coherent
 
@@ -1507,6 +1560,12 @@ class _Launch:
         self.shared_u8 = np.empty(max(16, -(-size // 16) * 16), np.uint8)
         self.shared = _Buffer("shared memory", 0, self.shared_u8, size)
         self.shared_generic = _Buffer("shared memory", _SHARED_GENERIC_BASE, self.shared_u8, size)
+        # Race check, per 4-byte shared word: who last wrote / read it, in which
+        # barrier interval (epoch); -2 as reader: several threads.
+        words = self.shared_u8.size // 4
+        self.sh_w_epoch, self.sh_w_thread = np.empty(words, np.int64), np.empty(words, np.int64)
+        self.sh_r_epoch, self.sh_r_thread = np.empty(words, np.int64), np.empty(words, np.int64)
+        self.epoch = 0
         self.steps = 0
         self.thread_steps = 0
 
@@ -1575,6 +1634,40 @@ class _Launch:
             raise PtxInterpreterError(f"misaligned access of {nbytes} bytes at byte offset {bad} of {buf.name}")
         return buf, sel, off
 
+    def _race_check(self, groups, lanes, nbytes: int, write: bool) -> None:
+        """Raise on a shared-memory data race between barriers: a word written by
+        one thread and read or written by another in the same barrier interval.
+        (Threads run in lockstep here, so such a race would otherwise go unseen.)"""
+        for buf, sel, off in groups:
+            if buf is not self.shared and buf is not self.shared_generic:
+                continue
+            ids = np.arange(self.T) if lanes is None else lanes
+            ids = ids if sel is None else ids[sel]
+            first = off >> 2
+            for k in range(max(1, nbytes // 4)):
+                w = first + k
+                e = self.epoch
+                clash = (self.sh_w_epoch[w] == e) & (self.sh_w_thread[w] != ids)
+                if write:
+                    clash |= (self.sh_r_epoch[w] == e) & (self.sh_r_thread[w] != ids)
+                if clash.any():
+                    i = int(np.flatnonzero(clash)[0])
+                    other = self.sh_w_thread[w[i]] if self.sh_w_epoch[w[i]] == e else self.sh_r_thread[w[i]]
+                    other = "several threads" if other == -2 else f"thread {other}"
+                    raise PtxInterpreterError(
+                        f"shared memory race: thread {ids[i]} {'writes' if write else 'reads'} byte offset "
+                        f"{4 * int(w[i])}, which {other} {'read or ' if write else ''}wrote since the last barrier")
+                if write:
+                    self.sh_w_epoch[w], self.sh_w_thread[w] = e, ids
+                    if (self.sh_w_thread[w] != ids).any():
+                        raise PtxInterpreterError("shared memory race: two threads write one word in one access")
+                else:
+                    seen = self.sh_r_epoch[w] == e
+                    reader = np.where(seen & (self.sh_r_thread[w] != ids), -2, ids)
+                    self.sh_r_thread[w] = reader  # a word several lanes read: one of them stays...
+                    self.sh_r_thread[w[self.sh_r_thread[w] != reader]] = -2  # ...so mark it shared
+                    self.sh_r_epoch[w] = e
+
     def _lanes(self, addr, mask):
         """Addresses of the active lanes (int64 array) and their indices."""
         lanes = None if mask is None else np.flatnonzero(mask)
@@ -1587,6 +1680,7 @@ class _Launch:
         if a.size == 0:
             return [np.zeros(self.T, dt) for _ in range(n)]
         groups = self._resolve(space, a, dt.itemsize * n)
+        self._race_check(groups, lanes, dt.itemsize * n, write=False)
         shift = dt.itemsize.bit_length() - 1
         if len(groups) == 1 and groups[0][1] is None:
             buf, _, off = groups[0]
@@ -1621,13 +1715,47 @@ class _Launch:
                 v = v[lanes]
             vals.append(v)
         shift = dt.itemsize.bit_length() - 1
+        groups = self._resolve(space, a, dt.itemsize * n)
+        self._race_check(groups, lanes, dt.itemsize * n, write=True)
         try:
-            for buf, sel, off in self._resolve(space, a, dt.itemsize * n):
+            for buf, sel, off in groups:
                 view, idx = buf.view(dt), off >> shift
                 for k in range(n):
                     view[idx + k] = vals[k] if sel is None else vals[k][sel]
         except ValueError as e:  # a read-only argument array
             raise PtxInterpreterError(f"store failed: {e}") from None
+
+    # -- cp.async: copies wait, per thread, in numbered groups -----------------------
+    def async_reset(self) -> None:
+        self.async_copies: List[List[np.ndarray]] = []   # [dst, lanes, group, *values]
+        self.async_groups = np.zeros(self.T, np.int64)   # groups each thread has committed
+
+    def async_issue(self, dst: np.ndarray, lanes: np.ndarray, vals: List[np.ndarray]) -> None:
+        ids = np.flatnonzero(lanes)
+        if ids.size:  # the copy may land any time from now: a write, for the race check
+            self._race_check(self._resolve("shared", dst[ids], 4 * len(vals)), ids, 4 * len(vals), write=True)
+        self.async_copies.append([dst, lanes, np.full(self.T, -1, np.int64), *vals])
+
+    def async_commit(self, mask) -> None:
+        m = np.ones(self.T, bool) if mask is None else mask
+        for c in self.async_copies:
+            new = c[1] & m & (c[2] < 0)
+            c[2][new] = self.async_groups[new]
+        self.async_groups[m] += 1
+
+    def async_wait(self, mask, keep: int) -> None:
+        """Land the copies of every group but each thread's newest `keep`."""
+        m = np.ones(self.T, bool) if mask is None else mask
+        left = []
+        for c in self.async_copies:
+            done = c[1] & m & (c[2] >= 0) & (c[2] < self.async_groups - keep)
+            for k, v in enumerate(c[3:]):
+                if done.any():
+                    self.store("shared", c[0] + 4 * k, done, np.dtype(np.uint32), [v])
+            c[1] = c[1] & ~done
+            if c[1].any():
+                left.append(c)
+        self.async_copies = left
 
     # -- execution ------------------------------------------------------------------
     def run(self) -> None:
@@ -1640,6 +1768,9 @@ class _Launch:
                     for d, v in zip("xyz", (bx, by, bz)):
                         self.special["%ctaid." + d] = np.full(T, v, np.uint32)
                     self.shared_u8.fill(0xFF)  # uninitialised shared memory reads as NaN
+                    self.async_reset()
+                    for a in (self.sh_w_epoch, self.sh_r_epoch):
+                        a.fill(-1)
                     self.exited = np.zeros(T, bool)
                     self.any_exited = False
                     fr = _Frame(self.entry, self, all_lanes)
@@ -1797,6 +1928,7 @@ class _Launch:
         if others.any():
             raise _located(func, code[bpc], "bar.sync inside a call made by only part of the block "
                                              f"(threads {np.flatnonzero(others)[:8].tolist()} are elsewhere)")
+        self.epoch += 1
         return bpc + 1, lanes
 
     def _check_uniform(self, func, ins, cur, taken):

@@ -10,7 +10,7 @@ import pytest
 from sparseconv import specialise as spec_mod
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_size
+from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -40,10 +40,9 @@ def run_ptx(ptx, rendered, x, bias):
     n = x.shape[0]
     y = np.full((n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
     tiles = -(-shape.out_h // t.tile_h) * -(-shape.out_w // t.tile_w)
-    ph, pw = patch_size(shape, t)
     run_kernel(ptx, ENTRY_NAME, grid=(tiles, n_kblocks(shape, t), n), block=(t.threads, 1, 1),
                args=[np.ascontiguousarray(x), y, bias, n_chunks(shape, t)],
-               dynamic_shared_bytes=t.c_block * ph * pw * 4)
+               dynamic_shared_bytes=patch_buffer_bytes(shape, t))
     return y
 
 

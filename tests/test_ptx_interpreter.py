@@ -806,6 +806,73 @@ def test_uninitialised_shared_memory_reads_as_nan():
     assert np.isnan(out).all()
 
 
+# Thread t copies in[t] (zero-filled when t is odd, src-size 0) into shared
+# word t with cp.async, waits (or not: WAIT), then after a barrier writes the
+# shared word of thread t ^ 1 to out[t]. READER_FIRST: thread t reads its
+# neighbour's word before the barrier instead, while that neighbour's copy may
+# still be landing: a race.
+def cp_async_kernel(wait: str, barrier_first: bool) -> str:
+    sync = "bar.sync 0;\n\t" if barrier_first else ""
+    late = "" if barrier_first else "bar.sync 0;\n\t"
+    return kernel("cp_async", """
+.extern .shared .align 16 .b8 buf[];
+.visible .entry copy_kernel(.param .u64 p_in, .param .u64 p_out)
+{
+	.reg .pred %p<2>;
+	.reg .b32 %r<12>;
+	.reg .f32 %f<2>;
+	.reg .b64 %rd<8>;
+	ld.param.u64 %rd1, [p_in];
+	ld.param.u64 %rd2, [p_out];
+	cvta.to.global.u64 %rd1, %rd1;
+	cvta.to.global.u64 %rd2, %rd2;
+	mov.u32 %r1, %tid.x;
+	mul.wide.u32 %rd3, %r1, 4;
+	add.s64 %rd4, %rd1, %rd3;
+	mov.u32 %r2, buf;
+	shl.b32 %r3, %r1, 2;
+	add.s32 %r4, %r2, %r3;
+	and.b32 %r5, %r1, 1;
+	setp.eq.u32 %p1, %r5, 0;
+	selp.u32 %r6, 4, 0, %p1;
+	cp.async.ca.shared.global [%r4], [%rd4], 4, %r6;
+	cp.async.commit_group;
+	""" + wait + """
+	""" + sync + """xor.b32 %r7, %r1, 1;
+	shl.b32 %r8, %r7, 2;
+	add.s32 %r9, %r2, %r8;
+	ld.shared.f32 %f1, [%r9];
+	""" + late + """add.s64 %rd5, %rd2, %rd3;
+	st.global.f32 [%rd5], %f1;
+	ret;
+}
+""")
+
+
+def test_cp_async_lands_at_the_wait_with_zero_fill():
+    x = np.arange(1, 9, dtype=np.float32)
+    out = np.zeros(8, np.float32)
+    launch(cp_async_kernel("cp.async.wait_group 0;", True), "copy_kernel", (1, 1, 1), (8, 1, 1), [x, out],
+           dynamic_shared_bytes=32)
+    expected = np.where(np.arange(8) % 2 == 0, x, 0)  # odd threads copied 0 bytes: zeros
+    assert out.tolist() == expected[np.arange(8) ^ 1].tolist()
+
+
+def test_cp_async_not_waited_for_is_not_there():
+    x = np.arange(1, 9, dtype=np.float32)
+    out = np.zeros(8, np.float32)
+    run_kernel(cp_async_kernel("", True), "copy_kernel", (1, 1, 1), (8, 1, 1), [x, out], dynamic_shared_bytes=32)
+    assert np.isnan(out).all()  # shared memory as it was: never written
+
+
+def test_shared_memory_race_between_barriers_is_detected():
+    x, out = np.arange(1, 9, dtype=np.float32), np.zeros(8, np.float32)
+    with pytest.raises(PtxInterpreterError, match="shared memory race: thread 0 reads byte offset 4"):
+        # thread 0 reads word 1 before the barrier, while thread 1's copy into it may be landing
+        run_kernel(cp_async_kernel("cp.async.wait_group 0;", False), "copy_kernel", (1, 1, 1), (8, 1, 1),
+                   [x, out], dynamic_shared_bytes=32)
+
+
 # ------------------------------------------------------------------ calls
 CALLS = kernel("calls", """
 // out[t] = 2 * in[t] * s + 1 for odd t (a divergent call into a function that

@@ -62,6 +62,17 @@ def test_tiling_validation():
         Tiling(8, 1, 5, 8, 2, 4)
     with pytest.raises(ValueError, match="1024"):
         Tiling(8, 1, 64, 64, 1, 1)
+    with pytest.raises(ValueError, match="do not fit on one SM"):
+        Tiling(8, 1, 16, 64, 1, 1, min_blocks=3)  # 3 x 1024 threads
+
+
+def test_register_cap_follows_blocks_per_sm():
+    assert Tiling(8, 1, 4, 32).max_registers == 255        # 128 threads: ptxas's own limit
+    assert Tiling(8, 1, 8, 64, 1, 2).max_registers == 255  # 256 threads x 256 registers fill the SM
+    assert Tiling(8, 1, 8, 64, 1, 2, min_blocks=2).max_registers == 128
+    assert Tiling(8, 1, 8, 64, 1, 1).max_registers == 128  # 512 threads
+    assert Tiling(8, 1, 8, 64, 1, 1, min_blocks=2).max_registers == 64
+    assert Tiling(8, 1, 14, 14, min_blocks=2).max_registers == 128  # 7 warps: 2 on some sub-partitions
     with pytest.raises(ValueError, match="shared memory"):
         check_tiling(ConvShape(64, 64, 224, 224, 3, 3), Tiling(8, 16, 32, 64, 1, 4))
     with pytest.raises(ValueError, match="k_block"):
