@@ -47,6 +47,13 @@ linear pass:
   k-block) get exactly the unsplit function; so does a layer whose state
   would not fit in shared memory next to the input patch (MAX_SHARED_BYTES).
 
+Speed (issue 3 asks for 500K PTX lines a second): the pass touches every
+placeholder FMA of every copy, so the per-template work is done once, in
+TemplateLayout: statements no weight can change are rendered to text once and
+copied with their label suffix (_copy_plan), and FMAs whose destination no
+alias can involve skip the alias bookkeeping (_special_registers). The output
+is the same as handling every statement and FMA one by one (tests check it).
+
 Invariants are checked by raising SpecialiseError: each placeholder is used by
 exactly `outputs per thread` FMAs of the body, none outside the loop body, the
 loop has the expected shape, and deleted FMAs == zero weights x multiplicity.
@@ -56,8 +63,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -162,6 +169,24 @@ class TemplateLayout:
     body_other: int              # body items that are not placeholder FMAs (lines of a copy, FMAs aside)
     piece_inputs: Tuple[str, ...]   # loop-carried: written by a copy, live at its start (a piece loads them)
     piece_outputs: Tuple[str, ...]  # written by a copy and live after it (a piece stores them)
+    # Derived here, not passed in (so dataclasses.replace keeps them in step):
+    # how the pass emits each part, statements no weight can change pre-rendered.
+    prologue_text: "_Text" = field(init=False, repr=False, compare=False)
+    body_plan: Tuple[object, ...] = field(init=False, repr=False, compare=False)
+    epilogue_plan: Tuple[object, ...] = field(init=False, repr=False, compare=False)
+    special: FrozenSet[str] = field(init=False, repr=False, compare=False)  # see _special_registers
+
+    def __post_init__(self) -> None:
+        fmas = [it for it in self.loop_body if isinstance(it, _Fma)]
+        aliasable = {f.dest for f in fmas} | {f.acc for f in fmas if f.acc.startswith("%")}
+        ren = _Renamer(self.reg_types, self.liveness)  # no aliases yet: statements as they stand
+        body_plan = _copy_plan(self.loop_body, ren, self.labels, aliasable, self.liveness.load_consumers,
+                               in_body=True)
+        object.__setattr__(self, "prologue_text", _static_text(self.prologue, ren, self.labels))
+        object.__setattr__(self, "body_plan", body_plan)
+        object.__setattr__(self, "epilogue_plan", _copy_plan(self.epilogue, ren, self.labels, aliasable,
+                                                             {}, in_body=False))
+        object.__setattr__(self, "special", _special_registers(body_plan, aliasable, self.liveness))
 
 
 @dataclass(frozen=True)
@@ -173,6 +198,21 @@ class _BodyLiveness:
     defs: Dict[str, List[int]]
     live_out: Set[str]                       # read by the next copy or the epilogue
     load_consumers: Dict[int, Tuple[int, ...]]  # body position of a droppable load -> weight indices
+    # still_read's answers per body position, (registers asked about, those
+    # read again): every copy asks the same questions.
+    _memo: Dict[int, Tuple[Set[str], Set[str]]] = field(default_factory=dict, compare=False, repr=False)
+
+    def still_read(self, regs: Set[str], pos: int) -> Set[str]:
+        """Those of `regs` whose value at body position `pos` is read again."""
+        memo = self._memo.get(pos)
+        if memo is None:
+            memo = self._memo[pos] = (set(), set())
+        asked, live = memo
+        for reg in regs - asked:
+            if self.read_later(reg, pos):
+                live.add(reg)
+            asked.add(reg)
+        return regs & live
 
     def read_later(self, reg: str, pos: int) -> bool:
         """Is `reg`'s value at body position `pos` (just before the instruction
@@ -510,9 +550,10 @@ class _Renamer:
         happen)."""
         readers = self.aliased_by.pop(reg, None)
         if readers:
-            for d in sorted(readers):
-                if self.pos is None or self.liveness.read_later(d, self.pos):
-                    out.append(self.mov(d, reg))
+            live = readers if self.pos is None else self.liveness.still_read(readers, self.pos)
+            for d in sorted(live):
+                out.append(self.mov(d, reg))
+            for d in readers:
                 del self.alias[d]
         src = self.alias.pop(reg, None)
         if src is not None:
@@ -522,10 +563,15 @@ class _Renamer:
 
     def end_of_copy(self) -> None:
         """Aliases of registers the next copy and the epilogue never read before
-        writing them are dead: drop them, so later writes need not check them."""
-        live_out = self.liveness.live_out
-        for d in [d for d in self.alias if d not in live_out]:
-            self.aliased_by[self.alias.pop(d)].discard(d)
+        writing them are dead: drop them, so later writes need not check them.
+        Few are left (the loop state): aliased_by is rebuilt from them."""
+        alias = self.alias
+        kept = {d: alias[d] for d in alias.keys() & self.liveness.live_out}
+        alias.clear()
+        alias.update(kept)
+        self.aliased_by.clear()
+        for d, src in alias.items():
+            self.aliased_by[src].add(d)
 
     def set_alias(self, d: str, src: str, out: List[str]) -> None:
         self.before_write(d, False, out)
@@ -550,6 +596,106 @@ def _emit(st: Stmt, ren: _Renamer, out: List[str], label_sfx: str, labels: Set[s
         ren.before_write(d, bool(pred), out)
     ops = st.dest + (", " if st.dest and srcs else "") + srcs
     out.append(f"\t{pred}{st.opcode} {ops};")
+
+
+# Where a copy's label suffix goes in text rendered once per template.
+_SFX = "\x00"
+
+
+@dataclass(frozen=True)
+class _Text:
+    """Statements no weight can change, rendered once per template: in a copy
+    they read the same, bar the labels' suffix, joined in between the parts."""
+    parts: Tuple[str, ...]
+
+    def render(self, sfx: str) -> str:
+        return sfx.join(self.parts)
+
+
+@dataclass(frozen=True)
+class _FmaRun:
+    """Consecutive placeholder FMAs without a guard and with a register
+    accumulator (all of them, from NVVM), as (body position, opcode, d, input,
+    acc, weight index): the pass's innermost loop, kept to tuple unpacking."""
+    fmas: Tuple[Tuple[int, str, str, str, str, int], ...]
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A shared load only placeholder FMAs read: a copy leaves it out when the
+    weights of all those FMAs are 0."""
+    text: _Text
+    weights: Tuple[int, ...]
+
+
+def _static_text(stmts: List[Stmt], ren: _Renamer, labels: Set[str]) -> _Text:
+    """`stmts` rendered as _emit renders them with no alias about."""
+    lines: List[str] = []
+    for st in stmts:
+        if _SFX in st.text:
+            raise SpecialiseError("NUL character in a statement", st.line, st.text)
+        _emit(st, ren, lines, _SFX, labels)
+    return _Text(tuple("\n".join(lines).split(_SFX)) if lines else ())
+
+
+def _copy_plan(items: List[object], ren: _Renamer, labels: Set[str], aliasable: Set[str],
+               consumers: Dict[int, Tuple[int, ...]], in_body: bool) -> Tuple[object, ...]:
+    """How the pass emits `items` (the loop body, or the epilogue after the last
+    copy). A statement that reads and writes no register a deleted FMA's alias
+    can involve (`aliasable`: FMA destinations and accumulators) comes out the
+    same in every copy: runs of them become one _Text, a droppable load a
+    _Load. Unguarded FMAs with a register accumulator become _FmaRuns. The
+    rest stays (body position, item), handled one by one (position None
+    outside the body)."""
+    plan: List[object] = []
+    texts: List[Stmt] = []
+    fmas: List[Tuple[int, str, str, str, str, int]] = []
+
+    def flush() -> None:
+        if texts:
+            plan.append(_static_text(texts, ren, labels))
+            texts.clear()
+        if fmas:
+            plan.append(_FmaRun(tuple(fmas)))
+            fmas.clear()
+
+    for pos, it in enumerate(items):
+        if isinstance(it, _Fma) and not it.pred and it.acc.startswith("%"):
+            if texts:
+                flush()
+            fmas.append((pos, it.opcode, it.dest, it.input, it.acc, it.index))
+            continue
+        if fmas:
+            flush()
+        if isinstance(it, Stmt) and (it.kind != "instr" or aliasable.isdisjoint(it.dest_regs() + it.src_regs())):
+            if pos in consumers:
+                flush()
+                plan.append(_Load(_static_text([it], ren, labels), consumers[pos]))
+            else:
+                texts.append(it)
+            continue
+        flush()
+        plan.append((pos if in_body else None, it))
+    flush()
+    return tuple(plan)
+
+
+def _special_registers(body_plan: Tuple[object, ...], aliasable: Set[str],
+                       liveness: _BodyLiveness) -> FrozenSet[str]:
+    """The registers (of `aliasable`) whose writes in a copy may find them
+    aliased, or aliased to, and so need _Renamer.before_write: those written
+    more than once in the body, those live into or out of a copy (aliases
+    survive end_of_copy only for those), and those written by items the pass
+    handles one by one. Any other register is written once per copy, by an
+    FMA of a run, and is read only after that write: no alias can involve its
+    old value. The pass adds, per copy, the registers the surviving aliases
+    point to."""
+    written = {r for r in aliasable if len(liveness.defs.get(r, ())) > 1} | (aliasable & liveness.live_out)
+    for seg in body_plan:
+        if type(seg) is tuple:
+            item = seg[1]
+            written.update([item.dest] if isinstance(item, _Fma) else item.dest_regs())
+    return frozenset(written & aliasable)
 
 
 def plan_pieces(costs: List[int], budget: int) -> List[Tuple[int, int]]:
@@ -578,6 +724,33 @@ def plan_pieces(costs: List[int], budget: int) -> List[Tuple[int, int]]:
     return greedy(lo)
 
 
+def _emit_fma(ren: _Renamer, out: List[str], wb: int, pred: str, opcode: str, d: str, x: str, a: str) -> bool:
+    """The FMA `[pred] opcode d, x, <weight>, a` with its weight's float32 bits
+    `wb` put in as an immediate, or deleted when the weight is 0 (+-0): then d
+    reads as a from here on. Returns whether it was deleted. The general form;
+    _emit_chunks inlines the common one."""
+    alias, aliased_by = ren.alias, ren.aliased_by
+    acc = alias.get(a, a)
+    # Fast path: d is neither an alias nor the source of one.
+    clean = d not in alias and not aliased_by.get(d) and not pred
+    if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
+        if pred or acc[0] != "%":
+            ren.before_write(d, bool(pred), out)
+            out.append(ren.mov(d, acc, ren.rename(pred)))
+        elif clean and acc != d:
+            alias[d] = acc
+            aliased_by[acc].add(d)
+        else:
+            ren.set_alias(d, acc, out)
+        return True
+    x = alias.get(x, x)
+    if not clean:
+        pred = ren.rename(pred) if pred else ""
+        ren.before_write(d, bool(pred), out)
+    out.append(f"\t{pred}{opcode} {d}, {x}, 0f{wb:08X}, {acc};")
+    return False
+
+
 def _emit_chunks(layout: TemplateLayout, w_rows: np.ndarray, b: int, j0: int, j1: int, ren: "_Renamer",
                  out: List[str], counts: List[int]) -> None:
     """Copies j0..j1-1 of the loop body for output-channel block b, each with
@@ -588,40 +761,54 @@ def _emit_chunks(layout: TemplateLayout, w_rows: np.ndarray, b: int, j0: int, j1
     n_fma = n_deleted = n_loads_dropped = 0
     for j in range(j0, j1):
         w_bits = w_rows[j].tolist()
+        w_nonzero = (w_rows[j] & 0x7FFFFFFF).tolist()  # 0 for +-0
         csfx = f"_k{b}c{j}"
         out.append(f"\t// chunk {j} of output-channel block {b}")
-        for pos, item in enumerate(layout.loop_body):
-            ren.pos = pos
-            if isinstance(item, Stmt):
-                used_by = consumers.get(pos)
-                if used_by is not None and not any(w_bits[i] & 0x7FFFFFFF for i in used_by):
-                    n_loads_dropped += 1
-                    continue  # a load only zero-weight FMAs read
-                _emit(item, ren, out, csfx, labels)
+        # Registers whose writes need before_write in this copy (_special_registers).
+        special = layout.special.union(alias, alias.values())
+        for seg in layout.body_plan:
+            if type(seg) is _FmaRun:
+                # Where the weights enter the PTX: each FMA gets its weight as an
+                # immediate, or is deleted. _emit_fma does it for any FMA; here,
+                # inlined, for those whose destination is not special, which
+                # need none of its alias bookkeeping.
+                n_fma += len(seg.fmas)
+                for pos, opcode, d, x, a, wi in seg.fmas:
+                    wb = w_bits[wi]
+                    if d in special:  # may be an alias or aliased to: the general form
+                        ren.pos = pos
+                        n_deleted += _emit_fma(ren, out, wb, "", opcode, d, x, a)
+                        continue
+                    acc = alias.get(a, a)
+                    if not wb & 0x7FFFFFFF:  # zero weight: delete, d becomes acc
+                        n_deleted += 1
+                        alias[d] = acc
+                        if acc in special:  # only a write of a special register looks for its aliases
+                            aliased_by[acc].add(d)
+                        continue
+                    out.append(f"\t{opcode} {d}, {alias.get(x, x)}, 0f{wb:08X}, {acc};")
                 continue
-            n_fma += 1
-            wb = w_bits[item.index]
-            acc = alias.get(item.acc, item.acc)
-            d = item.dest
-            # Fast path: d is neither an alias nor the source of one.
-            clean = d not in alias and not aliased_by.get(d) and not item.pred
-            if wb & 0x7FFFFFFF == 0:      # zero weight: delete, d becomes acc
-                n_deleted += 1
-                if item.pred or acc[0] != "%":
-                    ren.before_write(d, bool(item.pred), out)
-                    out.append(ren.mov(d, acc, ren.rename(item.pred)))
-                elif clean and acc != d:
-                    alias[d] = acc
-                    aliased_by[acc].add(d)
+            if type(seg) is _Text:
+                out.append(seg.render(csfx))
+                continue
+            if type(seg) is _Load:
+                if any(map(w_nonzero.__getitem__, seg.weights)):
+                    out.append(seg.text.render(csfx))
                 else:
-                    ren.set_alias(d, acc, out)
+                    n_loads_dropped += 1  # a load only zero-weight FMAs read
                 continue
-            x = alias.get(item.input, item.input)
-            pred = ""
-            if not clean:
-                pred = ren.rename(item.pred) if item.pred else ""
-                ren.before_write(d, bool(pred), out)
-            out.append(f"\t{pred}{item.opcode} {d}, {x}, 0f{wb:08X}, {acc};")
+            pos, item = seg
+            ren.pos = pos
+            if isinstance(item, _Fma):
+                n_fma += 1
+                n_deleted += _emit_fma(ren, out, w_bits[item.index], item.pred, item.opcode, item.dest,
+                                       item.input, item.acc)
+                continue
+            used_by = consumers.get(pos)
+            if used_by is not None and not any(w_bits[i] & 0x7FFFFFFF for i in used_by):
+                n_loads_dropped += 1
+                continue  # a load only zero-weight FMAs read
+            _emit(item, ren, out, csfx, labels)
         ren.end_of_copy()
     counts[0] += n_fma
     counts[1] += n_deleted
@@ -731,8 +918,8 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
             out.extend(head)
             out.append("{")
             ren = _Renamer(layout.reg_types, layout.liveness)
-            for st in layout.prologue:
-                _emit(st, ren, out, sfx, labels)
+            if layout.prologue_text.parts:  # no aliases yet: the same text in every piece
+                out.append(layout.prologue_text.render(sfx))
             if i > 0:
                 out.extend(state.load())
             _emit_chunks(layout, bits[b], b, j0, j1, ren, out, counts)
@@ -745,8 +932,11 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
                 out.extend(f"{label}{sfx}:" for label in skip_labels)
                 out.append("\tret;")
             else:
-                for st in layout.epilogue:
-                    _emit(st, ren, out, sfx, labels)
+                for seg in layout.epilogue_plan:
+                    if type(seg) is _Text:
+                        out.append(seg.render(sfx))
+                    else:
+                        _emit(seg[1], ren, out, sfx, labels)  # reads or writes an aliased register
             out.append("}")
             out.append("")
     if split:  # one array for every piece of every k-block (a block runs one k-block)

@@ -230,3 +230,113 @@ def test_default_piece_budget_leaves_small_layers_unsplit():
     w = pruned_weight(np.random.default_rng(), rendered.shape.weight_shape, 0.5)
     ptx, stats = specialise(tptx, rendered, w)
     assert stats.pieces == stats.kblocks and "sc_state" not in ptx
+
+
+# --------------------------------------------------------------------------- fast paths of the pass
+
+def one_by_one_plan(items, ren, labels, aliasable, consumers, in_body):
+    """A _copy_plan that pre-renders nothing: every statement and FMA handled on its own."""
+    return tuple((pos if in_body else None, it) for pos, it in enumerate(items))
+
+
+def all_special(body_plan, aliasable, liveness):
+    """Every FMA takes the general form (_emit_fma), alias bookkeeping and all."""
+    return frozenset(aliasable)
+
+
+def specialise_three_ways(monkeypatch, tptx, rendered, w, piece_lines=None):
+    """The PTX as the pass makes it, with every FMA in its general form, and
+    with every item handled one by one (the pass without its shortcuts)."""
+    from sparseconv import specialise as spec_mod
+
+    fast = specialise(tptx, rendered, w, piece_lines=piece_lines)
+    with monkeypatch.context() as m:
+        m.setattr(spec_mod, "_special_registers", all_special)
+        general = specialise(tptx, rendered, w, piece_lines=piece_lines)
+        m.setattr(spec_mod, "_copy_plan", one_by_one_plan)
+        one_by_one = specialise(tptx, rendered, w, piece_lines=piece_lines)
+    return fast, general, one_by_one
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.7, 0.95, 1.0])
+@pytest.mark.parametrize("name", ["multi_block_multi_chunk", "thread_h2", "grouped", "pointwise"])
+def test_fast_paths_give_the_same_ptx_as_one_by_one(monkeypatch, name, sparsity):
+    """Statements rendered once per template (_copy_plan) and FMAs that skip
+    the alias bookkeeping (_special_registers) are shortcuts only: the PTX is
+    byte for byte the same without them, split into pieces or not."""
+    rendered, tptx = template(name)
+    w = pruned_weight(np.random.default_rng(5), rendered.shape.weight_shape, sparsity, zero_channels=1)
+    for piece_lines in (None, 1):
+        fast, general, one_by_one = specialise_three_ways(monkeypatch, tptx, rendered, w, piece_lines)
+        assert fast[0] == general[0] == one_by_one[0]
+        assert fast[1] == general[1] == one_by_one[1]
+
+
+def fma_lines(tptx):
+    return [i for i, line in enumerate(tptx.splitlines()) if re.match(r"\s*fma\.rn\.f32\s", line)]
+
+
+def with_items_handled_one_by_one(tptx):
+    """The template, computing the same, with items the pass cannot take its
+    fast paths for in the loop body: an FMA guarded by an always-true
+    predicate, and a no-op mov writing another FMA's destination again."""
+    lines = tptx.splitlines()
+    func = next(i for i, line in enumerate(lines) if re.match(r"^\.\w.*\bsc_kblock\(", line))
+    last_reg = max(i for i, line in enumerate(lines) if i > func and line.strip().startswith(".reg ")
+                   and i < next(j for j in range(func, len(lines)) if lines[j].strip() == "}"))
+    fmas = fma_lines(tptx)
+    guarded, rewritten = fmas[2], fmas[5]
+    dest = re.match(r"\s*fma\.rn\.f32\s+(%f\d+),", lines[rewritten]).group(1)
+    lines[guarded] = re.sub(r"^(\s*)fma", r"\1@%sc_t fma", lines[guarded])
+    lines.insert(rewritten + 1, f"\tmov.f32 \t{dest}, {dest};")
+    lines[last_reg + 1:last_reg + 1] = ["\t.reg .pred %sc_t;", "\t.reg .b32 %sc_tid;",
+                                        "\tmov.u32 %sc_tid, %tid.x;", "\tsetp.ge.u32 %sc_t, %sc_tid, 0;"]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("piece_lines", [None, 1])
+def test_items_handled_one_by_one_compute_the_convolution(monkeypatch, piece_lines):
+    """A guarded FMA and a statement that rewrites an FMA register take the
+    general path: the same PTX as without shortcuts, the right convolution
+    (CPU interpreter) and ptxas accepts it."""
+    from sparseconv import specialise as spec_mod
+    from test_numeric_cpu import run_ptx
+    from reference import conv2d_reference, relative_l2
+
+    rendered, tptx = template("multi_block_multi_chunk")
+    tampered = with_items_handled_one_by_one(tptx)
+    layout = spec_mod.analyse_template(tampered, rendered)
+    general = [seg[1] for seg in layout.body_plan if type(seg) is tuple]
+    assert any(isinstance(it, spec_mod._Fma) and it.pred for it in general)
+    assert any(isinstance(it, spec_mod.Stmt) and it.opcode == "mov.f32" for it in general)
+    rng = np.random.default_rng(11)
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, 0.6, zero_channels=1)
+    fast, _, one_by_one = specialise_three_ways(monkeypatch, tampered, rendered, w, piece_lines)
+    assert fast[0] == one_by_one[0]
+    assert "@%sc_t " in fast[0]
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    y = run_ptx(fast[0], rendered, x, bias)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert relative_l2(y, ref) <= 1e-5
+    assert_valid_ptx(fast[0])
+
+
+def test_an_fma_with_an_immediate_accumulator(monkeypatch):
+    """An FMA adding to a constant, not a register: deleted, its destination
+    gets the constant by a mov; the same PTX as without shortcuts."""
+    rendered, tptx = template("multi_block_multi_chunk")
+    lines = tptx.splitlines()
+    i = fma_lines(tptx)[3]
+    lines[i] = re.sub(r",\s*%f\d+;$", ", 0f3F800000;", lines[i])
+    tampered = "\n".join(lines) + "\n"
+    for fill in (0.0, 2.0):  # the FMA deleted in every copy, or kept in every copy
+        w = np.full(rendered.shape.weight_shape, fill, np.float32)
+        fast, general, one_by_one = specialise_three_ways(monkeypatch, tampered, rendered, w)
+        assert fast[0] == general[0] == one_by_one[0]
+        if fill == 0.0:
+            assert re.search(r"mov\.f32 %f\d+, 0f3F800000;", fast[0])
+        else:
+            assert re.search(r"fma\.rn\.f32 %f\d+, %f\d+, 0f40000000, 0f3F800000;", fast[0])
+        assert_valid_ptx(fast[0])
