@@ -14,6 +14,7 @@ import numpy as np
 
 from .build import CompiledLayer, build_conv2d
 from .cache import ArtifactCache
+from .compile import CompileError
 from .shapes import ConvShape, Target, Tiling
 
 
@@ -57,6 +58,8 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
             except Exception as exc:
                 for other in started:
                     other.cancel()
+                if isinstance(exc, CompileError):  # its message names the layer already
+                    raise
                 raise type(exc)(f"layer {name}: {exc}") if isinstance(exc, (ValueError, RuntimeError)) else exc
             layer.stats["wall_s"] = time.perf_counter() - t0
             done[name] = layer

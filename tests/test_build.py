@@ -112,6 +112,22 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
         build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)
 
 
+def test_build_many_reports_a_tool_failure_in_a_worker(tmp_path, monkeypatch):
+    """A CompileError raised in a worker process reaches the caller intact."""
+    from sparseconv.batch import LayerJob, build_many
+    from sparseconv.compile import CompileError
+
+    failing = tmp_path / "ptxas"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'fake ptxas' && exit 0\n"
+                       "echo 'ptxas fatal: out of registers' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("SPARSECONV_PTXAS", str(failing))  # inherited by the workers
+    job = LayerJob("l0", pruned_weight(np.random.default_rng(4), SHAPE.weight_shape, 0.7), SHAPE)
+    with pytest.raises(CompileError, match="out of registers") as info:
+        build_many([job], cache_dir=str(tmp_path / "cache"), workers=1, progress=False)
+    assert "layer l0" in str(info.value)
+
+
 def test_compile_error_survives_pickling():
     """A build in a worker process reports its CompileError intact (it used to
     break the process pool instead)."""
