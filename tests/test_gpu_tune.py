@@ -5,6 +5,8 @@ import pytest
 
 from reference import conv2d_reference, pruned_weight, relative_l2
 
+from sparseconv.tune import SPARSE_EVENTS
+
 pytestmark = pytest.mark.gpu
 
 
@@ -52,7 +54,7 @@ def test_backend_auto_routes_a_dense_layer_to_cudnn(tmp_path):
     t = conv.stats["tuning"]
     assert set(t["times_us"]) >= {"dense", conv.stats["tiling"]}
     # No weight is zero: cuDNN (strict fp32) should win; whichever wins is what runs.
-    assert conv.backend == t["backend"] == ("dense" if t["times_us"]["dense"] < t["times_us"][t["tiling"]]
+    assert conv.backend == t["backend"] == ("dense" if t["times_us"]["dense"] < t["times_us"][SPARSE_EVENTS]
                                             else "sparseconv")
     assert isinstance(conv, DenseConv2dKernel) == (conv.backend == "dense")
     _check(conv, w, b, dict(stride=(1, 1), padding=(1, 1)), batch=5)
