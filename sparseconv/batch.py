@@ -14,7 +14,6 @@ import numpy as np
 
 from .build import CompiledLayer, build_conv2d
 from .cache import ArtifactCache
-from .compile import CompileError
 from .shapes import ConvShape, Target, Tiling
 
 
@@ -29,6 +28,18 @@ class LayerJob:
 def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
     return build_conv2d(job.weight, job.shape, tiling=job.tiling, target=target,
                         cache=ArtifactCache(cache_root), name=job.name)
+
+
+def _naming_layer(exc: BaseException, name: str) -> BaseException:
+    """exc with the layer's name in front of its message, same type. As it is
+    when its type cannot be rebuilt from a message alone (CompileError carries
+    its tool, log and source, and names the layer already)."""
+    if not isinstance(exc, (ValueError, RuntimeError)):
+        return exc
+    try:
+        return type(exc)(f"layer {name}: {exc}")
+    except TypeError:
+        return exc
 
 
 def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cache_dir: Optional[str] = None,
@@ -58,9 +69,7 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
             except Exception as exc:
                 for other in started:
                     other.cancel()
-                if isinstance(exc, CompileError):  # its message names the layer already
-                    raise
-                raise type(exc)(f"layer {name}: {exc}") if isinstance(exc, (ValueError, RuntimeError)) else exc
+                raise _naming_layer(exc, name)
             layer.stats["wall_s"] = time.perf_counter() - t0
             done[name] = layer
             bar.update(1, name)

@@ -158,7 +158,8 @@ class Tiling:
         An SM is 4 sub-partitions of 16K registers, and a block's warps are dealt
         out over them, so the busiest one holds ceil(warps / 4) of each block
         (ptxas derives the same cap from __launch_bounds__: 128 for 2 x 7 warps)."""
-        warps_per_partition = -(-(-(-self.threads // 32)) // 4) * self.min_blocks
+        warps = math.ceil(self.threads / 32)
+        warps_per_partition = math.ceil(warps / 4) * self.min_blocks
         return min(255, 16384 // (32 * warps_per_partition) // 8 * 8)
 
     def describe(self) -> str:
