@@ -17,7 +17,7 @@ from pathlib import Path
 root = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "models"))
 from make_pruned_zoo import pruned_model  # noqa: E402
-from sparseconv.batch import LayerJob, build_many  # noqa: E402
+from sparseconv.parallel import LayerJob, build_many  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from cupyx.profiler import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from reference import pruned_weight  # noqa: E402
-from sparseconv.batch import LayerJob  # noqa: E402
+from sparseconv.parallel import LayerJob  # noqa: E402
 from sparseconv.build import build_conv2d  # noqa: E402
 from sparseconv.cache import ArtifactCache  # noqa: E402
 from sparseconv.kernel import Conv2dKernel  # noqa: E402

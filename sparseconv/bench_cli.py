@@ -16,6 +16,7 @@ import click
 from .benchmark import (SWEEP, BenchConfig, BenchError, BenchLayer, BenchResult, benchmark_layers, format_table,
                         model_bench_layers, parse_baselines, parse_sparsities, plot_sweep, require_matplotlib,
                         run_bench, select_layers)
+from .cli_options import load_model_or_exit
 from .model import FORMATS
 
 
@@ -24,9 +25,7 @@ def _layers(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[
     if model_path is None:
         layers = benchmark_layers()
     else:
-        from .cli import _load  # imported here: cli.py registers this command, so no import at module level
-
-        layers = model_bench_layers(_load(model_path, fmt, spec_path, input_size))
+        layers = model_bench_layers(load_model_or_exit(model_path, fmt, spec_path, input_size))
     try:
         return select_layers(layers, layer_globs)
     except ValueError as exc:

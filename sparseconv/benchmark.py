@@ -40,6 +40,7 @@ import numpy as np
 from . import __version__
 from .dense import columns_to_nchw, conv2d_im2col, im2col, torch_flags  # noqa: F401 (re-exported)
 from .shapes import ConvShape
+from .timing import Capture, Launch, Timing, cupy_graph, one_line, time_gpu, torch_graph  # noqa: F401
 
 SWEEP = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 BASELINES = ("cudnn_fp32", "cudnn_tf32", "cublas_gemm", "cusparse_spmm")
@@ -52,14 +53,8 @@ SHORT = {"sparseconv": "sparseconv", "cudnn_fp32": "fp32", "cudnn_tf32": "TF32",
 PEAK_FP32_FLOPS = 66.9e12
 PEAK_BYTES_PER_S = 3.0e12
 MAX_REL_L2 = 1e-4
-# A graph holds enough launches to run about this long, so the replay's own
-# launch gap is a small fraction of it.
-GRAPH_TARGET_US = 2000.0
-MAX_GRAPH_LAUNCHES = 100
 CHECK_BATCH = 2  # the im2col baselines are checked on this many images (exercises the batch index)
 
-Launch = Callable[[], Any]
-Capture = Callable[[Launch, int], Launch]
 
 
 class BenchError(RuntimeError):
@@ -89,17 +84,6 @@ class BenchConfig:
     graphs: bool = True             # also time CUDA graph replays
     cudnn_benchmark: bool = True    # let cuDNN autotune: the strongest dense baseline
     jobs: Optional[int] = None      # parallel kernel builds
-
-
-@dataclass
-class Timing:
-    us: float                       # the figure used: the graph replay if captured, else events
-    method: str                     # "graph" or "events"
-    events_us: float
-    host_us: float
-    graph_us: Optional[float] = None
-    graph_launches: int = 0
-    note: str = ""
 
 
 @dataclass
@@ -341,11 +325,6 @@ def require_matplotlib() -> Any:
     return matplotlib
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"
-
-
 # --------------------------------------------------------------------------- GPU side
 
 def require_gpu() -> str:
@@ -355,7 +334,7 @@ def require_gpu() -> str:
 
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver, no libcuda, CuPy not built for this CUDA
-        raise BenchError(f"no CUDA GPU found ({_one_line(exc)}); sparseconv bench times kernels on a GPU") \
+        raise BenchError(f"no CUDA GPU found ({one_line(exc)}); sparseconv bench times kernels on a GPU") \
             from None
     if count < 1:
         raise BenchError("no CUDA GPU found; sparseconv bench times kernels on a GPU")
@@ -398,74 +377,6 @@ def environment(torch: Any, device: str) -> Dict[str, Any]:
         env.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
                    cudnn=safe(torch.backends.cudnn.version))
     return env
-
-
-def time_gpu(launch: Launch, *, repeat: int, max_seconds: float, capture: Optional[Capture]) -> Timing:
-    """Median CUDA-event time of `launch` (cupyx.profiler.benchmark), and of a
-    CUDA graph of k launches replayed (divided by k) when `capture` is given."""
-    from cupyx.profiler import benchmark
-
-    r = benchmark(launch, n_repeat=repeat, n_warmup=min(10, repeat), max_duration=max_seconds, name="launch")
-    events_us = float(np.median(r.gpu_times[0]) * 1e6)
-    host_us = float(np.median(r.cpu_times) * 1e6)
-    timing = Timing(events_us, "events", events_us, host_us)
-    if capture is None:
-        return timing
-    k = max(1, min(MAX_GRAPH_LAUNCHES, math.ceil(GRAPH_TARGET_US / max(events_us, 1e-3))))
-    try:
-        replay = capture(launch, k)
-        g = benchmark(replay, n_repeat=repeat, n_warmup=2, max_duration=max_seconds, name="replay")
-    except Exception as exc:
-        timing.note = f"graph capture failed: {_one_line(exc)}"
-        return timing
-    graph_us = float(np.median(g.gpu_times[0]) * 1e6) / k
-    return Timing(graph_us, "graph", events_us, host_us, graph_us, k)
-
-
-def cupy_graph(launch: Launch, k: int) -> Launch:
-    """Capture k launches on a CuPy stream. Every allocation made during the
-    capture is kept alive with the graph, whose replays reuse those addresses."""
-    import cupy
-
-    pool = cupy.get_default_memory_pool()
-    held: List[Any] = []
-
-    def alloc(size: int) -> Any:
-        mem = pool.malloc(size)
-        held.append(mem)
-        return mem
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(alloc), stream:
-        stream.begin_capture()
-        try:
-            for _ in range(k):
-                launch()
-        finally:
-            graph = stream.end_capture()
-
-    def replay() -> None:
-        graph.launch()
-
-    replay.held = held  # type: ignore[attr-defined]
-    return replay
-
-
-def torch_graph(launch: Launch, k: int) -> Launch:
-    """Capture k launches with torch.cuda.CUDAGraph (its own memory pool)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs ask before capture
-        for _ in range(3):
-            launch()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(k):
-            launch()
-    return graph.replay
 
 
 _IM2COL_SOURCE = r"""
@@ -590,7 +501,7 @@ def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.nd
     """Build every kernel in a process pool first (CPU only), so the timing loop
     only loads cached cubins."""
     from .assemble import device_target
-    from .batch import LayerJob, build_many
+    from .parallel import LayerJob, build_many
 
     shapes = {layer.name: layer.shape for layer in layers}
     jobs = [LayerJob(f"{name}@{sp}", w, shapes[name]) for (name, sp), w in weights.items()]
@@ -623,7 +534,7 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
         try:
             import cupyx.cusparse  # noqa: F401
         except ImportError as exc:
-            notes.append(f"cuSPARSE is not loadable ({_one_line(exc)}), so the SpMM column is absent")
+            notes.append(f"cuSPARSE is not loadable ({one_line(exc)}), so the SpMM column is absent")
             baselines.remove("cusparse_spmm")
 
     meta = environment(torch, device)
@@ -687,7 +598,7 @@ def _check_baselines(shape: ConvShape, w: np.ndarray, baselines: Sequence[str], 
             err = rel_l2(output(), ref, cupy)
             out[name] = dict(ref="float64 im2col", rel_l2=err, ok=bool(err <= MAX_REL_L2))
         except Exception as exc:  # a baseline that cannot run is a failed check, not a crashed bench
-            out[name] = dict(ref="float64 im2col", rel_l2=None, ok=False, error=_one_line(exc))
+            out[name] = dict(ref="float64 im2col", rel_l2=None, ok=False, error=one_line(exc))
     return out
 
 
@@ -706,7 +617,7 @@ def _time_row(row: Dict[str, Any], conv: Any, layer: BenchLayer, w: np.ndarray, 
         row["host_us"] = t.host_us
         conv(x, out=out)
     except Exception as exc:  # recorded, and the baselines still run; the row shows no speedup
-        row["errors"]["sparseconv"] = _one_line(exc)
+        row["errors"]["sparseconv"] = one_line(exc)
 
     if torch is not None:
         run = _cudnn_launch(torch, s, w, layer.bias, x)
@@ -718,14 +629,14 @@ def _time_row(row: Dict[str, Any], conv: Any, layer: BenchLayer, w: np.ndarray, 
                     if name == "cudnn_fp32":  # the correctness check runs even when it is not timed
                         _check(row, "sparseconv", "cudnn_fp32", rel_l2(out, cupy.asarray(run()), cupy))
             except Exception as exc:
-                row["errors"][name] = _one_line(exc)
+                row["errors"][name] = one_line(exc)
     else:
         try:
             ref = conv2d_im2col(x, w, s, layer.bias, cupy)
             _check(row, "sparseconv", "float64 im2col", rel_l2(out, ref, cupy))
             del ref
         except cupy.cuda.memory.OutOfMemoryError as exc:
-            row["errors"]["check"] = _one_line(exc)
+            row["errors"]["check"] = one_line(exc)
 
     names = [b for b in baselines if b in ("cublas_gemm", "cusparse_spmm")]
     for name in names:
@@ -733,7 +644,7 @@ def _time_row(row: Dict[str, Any], conv: Any, layer: BenchLayer, w: np.ndarray, 
             launch, _ = _im2col_runners(s, w, x, [name])[name]
             _record(row, name, time_gpu(launch, capture=cupy_capture, **timed))
         except Exception as exc:
-            row["errors"][name] = _one_line(exc)
+            row["errors"][name] = one_line(exc)
         _free_gpu(None)
 
 

@@ -19,21 +19,10 @@ import numpy as np
 from .build import build_conv2d
 from .cache import ArtifactCache, CacheError
 from .compile import CompileError, ToolNotFoundError
-from .model import FORMATS, ConvLayer, ModelError, PrunedModel, load_model, slug
+from .cli_options import (format_option, input_size_option, layers_option, load_model_or_exit,
+                          min_sparsity_option, model_argument, parse_size, spec_option)
+from .model import ConvLayer, ModelError, PrunedModel, slug
 from .shapes import Target, shape_from_weight
-
-
-def _size(text: str, what: str) -> Tuple[int, int]:
-    """'56' -> (56, 56); '56x28' -> (56, 28)."""
-    try:
-        parts = [int(p) for p in text.lower().split("x")]
-    except ValueError:
-        raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}") from None
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2:
-        raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}")
-    return parts[0], parts[1]
 
 
 def _specialised_ptx(cache: ArtifactCache, built) -> str:
@@ -83,8 +72,8 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
     if w.dtype.kind != "f":
         raise click.UsageError(f"{weight_file}: weights must be floating point, got dtype {w.dtype}")
     try:
-        shape = shape_from_weight(w, _size(input_size, "--input-size"), _size(stride, "--stride"),
-                                  _size(padding, "--padding"), _size(dilation, "--dilation"), groups)
+        shape = shape_from_weight(w, parse_size(input_size, "--input-size"), parse_size(stride, "--stride"),
+                                  parse_size(padding, "--padding"), parse_size(dilation, "--dilation"), groups)
         built = build_conv2d(w.astype(np.float32), shape, target=Target(target),
                              cache=ArtifactCache(cache_dir), name=name)
     except (ValueError, TypeError) as exc:
@@ -109,26 +98,6 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
                f"cubin {s['artifact_bytes']} bytes")
     click.echo("  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in secs.items())
                + f"; cache hit: template {s['template_cache_hit']}, kernel {s['kernel_cache_hit']}")
-
-
-model_argument = click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
-format_option = click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-                             help="Model format (default: from the extension or the first bytes).")
-spec_option = click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                           help="Layer spec JSON for .npz models without a __spec__ entry.")
-input_size_option = click.option("--input-size", default=None,
-                                 help="Input H x W when the model does not fix it, e.g. 224 or 224x224.")
-layers_option = click.option("--layers", "layer_glob", default="*", show_default=True,
-                             help="Only layers whose name matches this glob.")
-min_sparsity_option = click.option("--min-sparsity", type=click.FloatRange(0, 1), default=0.0, show_default=True,
-                                   help="Skip layers less sparse than this (they are better left to cuDNN).")
-
-
-def _load(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str]) -> PrunedModel:
-    try:
-        return load_model(model, fmt, spec_path, _size(input_size, "--input-size") if input_size else None)
-    except ModelError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def _select(m: PrunedModel, layer_glob: str, min_sparsity: float) -> Tuple[List[ConvLayer], dict]:
@@ -164,7 +133,7 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
 
     Example: sparseconv inspect models/vgg16_pruned.npz --min-sparsity 0.5
     """
-    m = _load(model, fmt, spec_path, input_size)
+    m = load_model_or_exit(model, fmt, spec_path, input_size)
     chosen, skipped = _select(m, layer_glob, min_sparsity)
     click.echo(f"{m.path} ({m.format}): {len(m.layers)} conv layers, {len(chosen)} to compile")
     click.echo(f"{'layer':32s} {'shape':34s} {'sparsity':>8s} {'nonzero':>10s}  action")
@@ -200,9 +169,9 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 
         sparseconv compile models/vgg16_pruned.npz -o build/vgg16 --min-sparsity 0.5
     """
-    from .batch import LayerJob, build_many
+    from .parallel import LayerJob, build_many
 
-    m = _load(model, fmt, spec_path, input_size)
+    m = load_model_or_exit(model, fmt, spec_path, input_size)
     chosen, skipped = _select(m, layer_glob, min_sparsity)
     if not chosen:
         raise click.UsageError(f"{model}: no layer left to compile ({len(skipped)} skipped by the filters)")
@@ -316,7 +285,7 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         if detect_format(model) != "onnx":
             raise ModelError(f"{model}: `sparseconv run` needs an ONNX model (it runs the whole graph); for a "
                              "PyTorch model use sparseconv.torch.sparsify(model, example_input)")
-        program = load_program(model, _size(input_size, "--input-size") if input_size else None)
+        program = load_program(model, parse_size(input_size, "--input-size") if input_size else None)
         x, labels = load_data(data_path, program, input_key, label_key)
     except ModelError as exc:
         raise click.UsageError(str(exc)) from None

@@ -225,7 +225,7 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
     GPU; name -> kernel. Without tuning they build in parallel (a process pool);
     with tiling="auto" or backend="auto" each layer's candidates build in
     parallel, one layer after another, then are timed."""
-    from .batch import LayerJob, build_many
+    from .parallel import LayerJob, build_many
 
     kernels: Dict[str, Conv2dKernel] = {}
     if tiling == "auto" or backend == "auto":

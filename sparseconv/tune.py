@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .batch import LayerJob, build_many
+from .parallel import LayerJob, build_many
 from .build import SPECIALISER_VERSION, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
 from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
+from .timing import median_us, replay_us
 
 SPARSE, DENSE = "sparseconv", "dense"
 
@@ -50,21 +51,6 @@ class TuningResult:
 TUNING_ROUNDS = 3
 # times_us key of the best tiling timed like the dense candidate (events).
 SPARSE_EVENTS = "sparseconv (events)"
-
-
-def median_us(fn: Callable[[], Any], batch: int) -> float:
-    """Median device time of fn in microseconds (CUDA events, back-to-back launches)."""
-    from cupyx.profiler import benchmark
-
-    r = benchmark(fn, n_repeat=100 if batch <= 4 else 20, n_warmup=3)
-    return float(np.median(r.gpu_times[0]) * 1e6)
-
-
-def replay_us(fn: Callable[[], Any]) -> float:
-    """Device time of one call of fn, from CUDA-graph replays (events if capture fails)."""
-    from .benchmark import cupy_graph, time_gpu
-
-    return time_gpu(fn, repeat=20, max_seconds=0.1, capture=cupy_graph).us
 
 
 def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray], *, target: Target,

@@ -94,7 +94,7 @@ def test_bad_weight_names_the_layer(tmp_path):
 
 
 def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
-    from sparseconv.batch import LayerJob, build_many
+    from sparseconv.parallel import LayerJob, build_many
 
     rng = np.random.default_rng(3)
     shapes = [ConvShape(4, 6, 7, 7, 3, 3, (1, 1), (1, 1)), ConvShape(8, 4, 6, 5, 1, 1), SHAPE]
@@ -114,7 +114,7 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
 
 def test_build_many_reports_a_tool_failure_in_a_worker(tmp_path, monkeypatch):
     """A CompileError raised in a worker process reaches the caller intact."""
-    from sparseconv.batch import LayerJob, build_many
+    from sparseconv.parallel import LayerJob, build_many
     from sparseconv.compile import CompileError
 
     failing = tmp_path / "ptxas"

@@ -1,0 +1,50 @@
+"""Command-line pieces shared by every command (cli.py, the bench CLI):
+option declarations and argument parsing that turn bad input into a click
+usage error (exit 2, one line)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import click
+
+from .model import FORMATS, ModelError, PrunedModel, load_model
+
+
+def parse_size(text: str, what: str) -> Tuple[int, int]:
+    """'56' -> (56, 56); '56x28' -> (56, 28)."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}") from None
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2:
+        raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}")
+    return parts[0], parts[1]
+
+
+model_argument = click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+format_option = click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+                             help="Model format (default: from the extension or the first bytes).")
+spec_option = click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                           help="Layer spec JSON for .npz models without a __spec__ entry.")
+input_size_option = click.option("--input-size", default=None,
+                                 help="Input H x W when the model does not fix it, e.g. 224 or 224x224.")
+layers_option = click.option("--layers", "layer_glob", default="*", show_default=True,
+                             help="Only layers whose name matches this glob.")
+min_sparsity_option = click.option("--min-sparsity", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                                   help="Skip layers less sparse than this (they are better left to cuDNN).")
+
+
+def load_model_or_exit(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str]) -> PrunedModel:
+    try:
+        return load_model(model, fmt, spec_path, parse_size(input_size, "--input-size") if input_size else None)
+    except ModelError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                                help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+jobs_option = click.option("--jobs", type=click.IntRange(1), default=None,
+                           help="Parallel layer builds (default: CPU count).")
