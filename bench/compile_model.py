@@ -85,7 +85,7 @@ def check_layers(jobs, kernels):
     import numpy as np
 
     sys.path.insert(0, str(root / "tests"))
-    from reference import conv2d_reference, relative_l2
+    from sparseconv.testing import conv2d_reference, relative_l2
 
     rng = np.random.default_rng()
     errors = {}

@@ -18,7 +18,7 @@ from cupyx.profiler import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import sparseconv  # noqa: E402
-from reference import pruned_weight  # noqa: E402
+from sparseconv.testing import pruned_weight  # noqa: E402
 from sparseconv.operators import benchmark_operators  # noqa: E402
 
 

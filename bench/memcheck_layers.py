@@ -15,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import sparseconv  # noqa: E402
-from reference import conv2d_reference, pruned_weight, relative_l2  # noqa: E402
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2  # noqa: E402
 from sparseconv.operators import benchmark_operators  # noqa: E402
 
 

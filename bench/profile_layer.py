@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import sparseconv  # noqa: E402
-from reference import pruned_weight  # noqa: E402
+from sparseconv.testing import pruned_weight  # noqa: E402
 from sparseconv.operators import benchmark_operators  # noqa: E402
 
 op = next(o for o in benchmark_operators() if o.name == sys.argv[1])

@@ -21,7 +21,7 @@ import numpy as np
 from cupyx.profiler import benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from reference import pruned_weight  # noqa: E402
+from sparseconv.testing import pruned_weight  # noqa: E402
 from sparseconv.parallel import LayerJob  # noqa: E402
 from sparseconv.build import build_conv2d  # noqa: E402
 from sparseconv.cache import ArtifactCache  # noqa: E402

@@ -9,15 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def magnitude_prune(w: np.ndarray, sparsity: float) -> np.ndarray:
-    k = int(round(sparsity * w.size))
-    if k == 0:
-        return w.copy()
-    threshold = np.partition(np.abs(w).ravel(), k - 1)[k - 1]
-    out = w.copy()
-    out[np.abs(out) <= threshold] = 0.0
-    return out
+from sparseconv.testing import he_pruned_weight
 
 
 def main() -> None:
@@ -29,8 +21,7 @@ def main() -> None:
     a = p.parse_args()
     k, c, r, s = (int(v) for v in a.shape.split(","))
     rng = np.random.default_rng(a.seed)
-    w = (rng.standard_normal((k, c, r, s)) * np.sqrt(2.0 / (c * r * s))).astype(np.float32)
-    w = magnitude_prune(w, a.sparsity)
+    w = he_pruned_weight(rng, (k, c, r, s), a.sparsity)
     b = (0.1 * rng.standard_normal(k)).astype(np.float32)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(a.out.with_suffix(".npy"), w)

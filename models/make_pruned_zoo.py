@@ -8,23 +8,19 @@ run this to make the file.
 """
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_pruned_layer import magnitude_prune  # noqa: E402
-from sparseconv.zoo import MODELS, model_layers  # noqa: E402
+from sparseconv.testing import he_pruned_weight
+from sparseconv.zoo import MODELS, model_layers
 
 
 def pruned_model(name: str, sparsity: float, seed: int = 0):
     rng = np.random.default_rng(seed)
     out = []
     for layer, shape in model_layers(name):
-        k, c, r, s = shape.weight_shape
-        w = (rng.standard_normal((k, c, r, s)) * np.sqrt(2.0 / (c * r * s))).astype(np.float32)
-        out.append((layer, shape, magnitude_prune(w, sparsity)))
+        out.append((layer, shape, he_pruned_weight(rng, shape.weight_shape, sparsity)))
     return out
 
 

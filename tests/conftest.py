@@ -1,3 +1,6 @@
+"""Markers (gpu, nvcc) that skip themselves where the tool is missing, and a
+session-wide artifact cache. tests/ptx_interpreter.py is importable as a
+top-level module through pytest's `pythonpath = ["tests"]` (pyproject.toml)."""
 import functools
 import shutil
 
@@ -28,9 +31,3 @@ def pytest_collection_modifyitems(config, items):
 def session_cache_dir(tmp_path_factory):
     """One cold cache per test session: compiles are real, shared across tests."""
     return tmp_path_factory.mktemp("sparseconv-cache")
-
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/reference.py, tests/ptx_interpreter.py

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from reference import conv2d_reference
+from sparseconv.testing import conv2d_reference
 from sparseconv import benchmark as bm
 from sparseconv.bench_cli import bench
 from sparseconv.shapes import ConvShape

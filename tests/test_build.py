@@ -8,7 +8,7 @@ from sparseconv.build import build_conv2d
 from sparseconv.cache import ArtifactCache
 from sparseconv.shapes import ConvShape, Tiling
 
-from reference import pruned_weight
+from sparseconv.testing import pruned_weight
 
 pytestmark = pytest.mark.nvcc
 

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from sparseconv.cli import main
 
-from reference import pruned_weight
+from sparseconv.testing import pruned_weight
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sparseconv
 from sparseconv.operators import benchmark_operators
 from sparseconv.shapes import Tiling
 
-from reference import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from reference import relative_l2
+from sparseconv.testing import relative_l2
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@ on fresh random inputs."""
 import numpy as np
 import pytest
 
-from reference import relative_l2
+from sparseconv.testing import relative_l2
 
 pytestmark = pytest.mark.gpu
 

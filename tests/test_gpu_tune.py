@@ -3,7 +3,7 @@ against a float64 reference on fresh random inputs."""
 import numpy as np
 import pytest
 
-from reference import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 from sparseconv.tune import SPARSE_EVENTS
 

@@ -1,17 +1,12 @@
 """GPU: a sample of the big VGG-16 / ResNet-50 layers (ImageNet shapes, 90% sparse)
 against the float64 reference. bench/compile_model.py --check runs all of them."""
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import sparseconv
 from sparseconv.zoo import model_layers
 
-from reference import conv2d_reference, pruned_weight, relative_l2
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from sparseconv.cli import main
 from sparseconv.model import ModelError, load_model
 
-from reference import pruned_weight
+from sparseconv.testing import pruned_weight
 
 
 def write_npz(path, names=("conv_a", "conv_b"), nan=False):

@@ -14,7 +14,7 @@ from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunk
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
-from reference import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 pytestmark = pytest.mark.nvcc
 

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from fractions import Fraction
@@ -26,8 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ptx_interpreter import LAST_RUN_STATS, PtxInterpreterError, run_kernel  # noqa: E402
+from ptx_interpreter import LAST_RUN_STATS, PtxInterpreterError, run_kernel
 
 HEADER = ".version 8.0\n.target sm_90\n.address_size 64\n"
 

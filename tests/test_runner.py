@@ -15,7 +15,7 @@ from sparseconv.cli import main
 from sparseconv.model import ModelError
 from sparseconv.runner import conv2d_dense, execute, load_data, load_program, run_reference
 
-from reference import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402

@@ -12,7 +12,7 @@ from sparseconv.cache import ArtifactCache
 from sparseconv.model import load_model
 
 from ptx_interpreter import run_kernel
-from reference import conv2d_reference, relative_l2
+from sparseconv.testing import conv2d_reference, relative_l2
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 pytest.importorskip("onnx")

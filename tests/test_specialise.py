@@ -13,7 +13,7 @@ from sparseconv.render import render
 from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling
 from sparseconv.specialise import SpecialiseError, analyse_template, specialise
 
-from reference import pruned_weight
+from sparseconv.testing import pruned_weight
 
 pytestmark = pytest.mark.nvcc
 
@@ -301,7 +301,7 @@ def test_items_handled_one_by_one_compute_the_convolution(monkeypatch, piece_lin
     (CPU interpreter) and ptxas accepts it."""
     from sparseconv import specialise as spec_mod
     from test_numeric_cpu import run_ptx
-    from reference import conv2d_reference, relative_l2
+    from sparseconv.testing import conv2d_reference, relative_l2
 
     rendered, tptx = template("multi_block_multi_chunk")
     tampered = with_items_handled_one_by_one(tptx)

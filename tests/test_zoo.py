@@ -1,13 +1,8 @@
 """CPU: model layer specs and the pruned-weight generator."""
-import sys
-from pathlib import Path
-
 import numpy as np
 
+from sparseconv.testing import he_pruned_weight, magnitude_prune
 from sparseconv.zoo import model_layers
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
-from make_pruned_layer import magnitude_prune  # noqa: E402
 
 
 def test_vgg16_has_13_convs_ending_at_14x14():
@@ -32,3 +27,11 @@ def test_magnitude_prune_zeroes_the_smallest():
     p = magnitude_prune(w, 0.9)
     assert abs(np.mean(p == 0) - 0.9) < 0.01
     assert np.abs(p[p != 0]).min() >= np.abs(w[p == 0]).max()
+
+
+def test_he_pruned_weight_is_seeded_scaled_and_pruned():
+    w = he_pruned_weight(np.random.default_rng(3), (32, 16, 3, 3), 0.8)
+    assert w.dtype == np.float32 and abs(np.mean(w == 0) - 0.8) < 0.01
+    np.testing.assert_array_equal(w, he_pruned_weight(np.random.default_rng(3), (32, 16, 3, 3), 0.8))
+    # He scale: std sqrt(2 / (C*R*S)) before pruning, so no survivor is wildly out of it
+    assert np.abs(w).max() < 6 * np.sqrt(2.0 / (16 * 9))
