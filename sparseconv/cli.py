@@ -406,6 +406,6 @@ def cache_clear(cache_dir: Optional[Path]) -> None:
 
 
 # `sparseconv bench` lives in its own module (it needs torch/matplotlib only when run).
-from .bench_cli import bench  # noqa: E402
+from .benchmark.cli import bench  # noqa: E402
 
 main.add_command(bench)

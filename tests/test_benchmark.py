@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from sparseconv.testing import conv2d_reference
 from sparseconv import benchmark as bm
-from sparseconv.bench_cli import bench
+from sparseconv.benchmark import baselines as bl
+from sparseconv.benchmark.cli import bench, parse_baselines, parse_sparsities
+from sparseconv.dense import conv2d_im2col, im2col, torch_flags
 from sparseconv.shapes import ConvShape
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.timing import Timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,28 +54,28 @@ SHAPES = [
 def test_im2col_conv_matches_direct_float64_conv(shape):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w))
-    w = bm.pruned_weight(rng, shape.weight_shape, 0.5)
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
     b = rng.standard_normal(shape.out_channels)
-    y = bm.conv2d_im2col(x, w, shape, b)
+    y = conv2d_im2col(x, w, shape, b)
     ref = conv2d_reference(x, w, b, shape.stride, shape.padding, shape.dilation, shape.groups)
     assert y.shape == (3, shape.out_channels, shape.out_h, shape.out_w)
     np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
-    assert bm.rel_l2(y, ref) < 1e-14
+    assert relative_l2(y, ref) < 1e-14
 
 
 def test_im2col_rows_follow_the_weight_flattening():
     shape = ConvShape(2, 1, 4, 4, 3, 3, (1, 1), (0, 0))
     x = np.arange(2 * 16, dtype=np.float64).reshape(1, 2, 4, 4)
-    cols = bm.im2col(x, shape)
+    cols = im2col(x, shape)
     assert cols.shape == (2 * 9, 4)
     # row (c=1, r=2, s=0), column (ho=1, wo=0) reads x[0, 1, 3, 0]
     assert cols[1 * 9 + 2 * 3 + 0, 1 * 2 + 0] == x[0, 1, 3, 0]
 
 
 def test_rel_l2_edges():
-    assert bm.rel_l2(np.zeros(3), np.zeros(3)) == 0.0
-    assert bm.rel_l2(np.ones(3), np.zeros(3)) == float("inf")
-    assert bm.rel_l2(np.array([1.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(1.0)
+    assert relative_l2(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_l2(np.ones(3), np.zeros(3)) == float("inf")
+    assert relative_l2(np.array([1.0, 1.0]), np.array([1.0, 0.0])) == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------------- weights, parsing, selection
@@ -92,16 +95,16 @@ def test_layer_weight_is_seeded_per_layer_and_sparsity():
 
 
 def test_parse_sparsities_and_baselines():
-    assert bm.parse_sparsities("0.9") == (0.9,)
-    assert bm.parse_sparsities("0.9,0.5,0.9") == (0.5, 0.9)
+    assert parse_sparsities("0.9") == (0.9,)
+    assert parse_sparsities("0.9,0.5,0.9") == (0.5, 0.9)
     for bad in ("1.0", "-0.1", "abc", ""):
         with pytest.raises(ValueError):
-            bm.parse_sparsities(bad)
-    assert bm.parse_baselines("all") == bm.BASELINES
-    assert bm.parse_baselines("none") == ()
-    assert bm.parse_baselines("cusparse_spmm, cudnn_fp32") == ("cudnn_fp32", "cusparse_spmm")
+            parse_sparsities(bad)
+    assert parse_baselines("all") == bm.BASELINES
+    assert parse_baselines("none") == ()
+    assert parse_baselines("cusparse_spmm, cudnn_fp32") == ("cudnn_fp32", "cusparse_spmm")
     with pytest.raises(ValueError, match="cudnn_fp16"):
-        bm.parse_baselines("cudnn_fp16")
+        parse_baselines("cudnn_fp16")
 
 
 def test_select_layers():
@@ -114,24 +117,43 @@ def test_select_layers():
 
 # --------------------------------------------------------------------------- rows, geomeans, table, JSON
 
-def _row(layer, batch, sparsity, us, graph=True, check_ok=True):
-    """A synthetic row as run_bench builds it: us maps method -> microseconds."""
-    events = {m: v + 20 for m, v in us.items()}  # events include the host's launch gap
-    row = dict(layer=layer, shape="", batch=batch, sparsity=sparsity, weight_sparsity=sparsity or 0.5,
-               nnz=10, weights=100, tiling="", floor_us=2.0, host_us=15.0, us=dict(us if graph else events),
-               timing={m: "graph" if graph else "events" for m in us}, events_us=events,
-               graph_us={m: (v if graph else None) for m, v in us.items()}, graph_launches={}, timing_notes={},
-               check={"sparseconv": dict(ref="cudnn_fp32", rel_l2=1e-7 if check_ok else 0.5, ok=check_ok)},
-               errors={})
-    row["speedup"] = bm.speedups(row)
+SHAPE = ConvShape(8, 8, 6, 6, 3, 3, (1, 1), (1, 1))
+
+
+def _row(layer, batch, sparsity, us, graph=True, check_ok=True, shape=SHAPE, floor=2.0):
+    """A synthetic row as run_bench fills it: us maps method -> microseconds."""
+    row = bm.BenchRow(layer=layer, shape=shape, batch=batch, sparsity=sparsity, nnz=10, weights=100, tiling="",
+                      floor_us=floor)
+    for m, v in us.items():  # events include the host's launch gap
+        row.record(m, Timing(v if graph else v + 20, "graph" if graph else "events", v + 20, 15.0,
+                             v if graph else None, 7 if graph else 0))
+    row.add_check("sparseconv", bm.Check.of("cudnn_fp32", 1e-7 if check_ok else 0.5))
     return row
+
+
+def test_row_record_fills_every_method_column_and_serialises_with_the_old_keys():
+    row = _row("a", 64, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 40.0}, check_ok=False)
+    row.fail("cublas_gemm", "RuntimeError: boom")
+    d = json.loads(json.dumps(row.to_dict()))
+    assert list(d) == ["layer", "shape", "batch", "sparsity", "weight_sparsity", "nnz", "weights", "tiling",
+                       "floor_us", "host_us", "us", "timing", "events_us", "graph_us", "graph_launches",
+                       "timing_notes", "speedup", "check", "errors"]
+    assert d["shape"] == SHAPE.describe() and d["weight_sparsity"] == pytest.approx(0.9)
+    assert d["us"] == {"sparseconv": 10.0, "cudnn_fp32": 40.0} and d["graph_launches"]["cudnn_fp32"] == 7
+    assert d["host_us"] == 15.0 and d["speedup"] == {"cudnn_fp32": pytest.approx(4.0)}
+    assert d["check"] == {"sparseconv": {"ref": "cudnn_fp32", "rel_l2": 0.5, "ok": False}}
+    assert d["errors"] == {"cublas_gemm": "RuntimeError: boom"} and not row.checks_ok
+    failed = bm.Check("float64 im2col", None, False, "ValueError: no")
+    assert failed.to_dict()["error"] == "ValueError: no" and "error" not in bm.Check.of("x", 0.0).to_dict()
+    with pytest.raises(Exception):
+        row.batch = 1  # the identity of a row is fixed
 
 
 def test_speedups_pair_times_of_the_same_method():
     row = _row("a", 1, 0.9, {"sparseconv": 10.0, "cudnn_fp32": 40.0})
-    assert row["speedup"] == {"cudnn_fp32": pytest.approx(4.0)}
-    row["graph_us"]["cudnn_fp32"] = None  # cuDNN fell back to events: both sides use events
-    assert bm.speedups(row)["cudnn_fp32"] == pytest.approx(60.0 / 30.0)
+    assert row.speedup == {"cudnn_fp32": pytest.approx(4.0)}
+    row.graph_us["cudnn_fp32"] = None  # cuDNN fell back to events: both sides use events
+    assert row.speedup["cudnn_fp32"] == pytest.approx(60.0 / 30.0)
 
 
 def test_geomean_speedups_per_sparsity_and_batch():
@@ -145,6 +167,63 @@ def test_geomean_speedups_per_sparsity_and_batch():
     assert g[(64, "cublas_gemm")]["slower_layers"] == 1
     assert g[(1, "cudnn_fp32")]["geomean"] == pytest.approx(1.0)
     assert (1, "cudnn_tf32") not in g
+
+
+# --------------------------------------------------------------------------- summary by layer class
+
+def _shape(c, k, size, r, stride=1):
+    return ConvShape(c, k, size, size, r, r, (stride, stride), (r // 2, r // 2))
+
+
+def test_layer_classes_of_resnet50():
+    from sparseconv.zoo import model_layers
+
+    layers = model_layers("resnet50")
+    classes = [bm.layer_class(s, i == 0) for i, (_, s) in enumerate(layers)]
+    counts = {c: classes.count(c) for c in set(classes)}
+    # stem; 16 bottlenecks x (1x1 in, 1x1 out) = 32 1x1; 13 stride-1 3x3; 3 strided 3x3 (v1.5) are "other";
+    # 4 downsamples, of which layer1's is stride 1 (a plain 1x1)
+    assert counts == {"stem": 1, "1x1": 33, "3x3": 13, "other": 3, "strided 1x1": 3}
+    assert bm.layer_class(_shape(3, 64, 224, 3), first=False) == "stem"  # C <= 4 reads an image
+    assert bm.layer_class(ConvShape(8, 8, 9, 9, 1, 3), first=False) == "other"  # 1x3 is no k x k
+
+
+def test_class_summary_sums_times_and_floors_per_class_and_batch():
+    stem, c3, c1, down = _shape(3, 8, 16, 7, 2), _shape(8, 8, 8, 3), _shape(8, 16, 8, 1), _shape(8, 16, 8, 1, 2)
+    rows = []
+    for batch in (1, 64):
+        f = 1 if batch == 1 else 10
+        rows += [_row("conv1", batch, None, {"sparseconv": 3.0 * f, "cudnn_fp32": 6.0 * f}, shape=stem),
+                 _row("b.conv2", batch, None, {"sparseconv": 2.0 * f, "cudnn_fp32": 8.0 * f,
+                                               "cudnn_tf32": 4.0 * f}, shape=c3, floor=1.0),
+                 _row("c.conv2", batch, None, {"sparseconv": 6.0 * f, "cudnn_fp32": 4.0 * f,
+                                               "cudnn_tf32": 2.0 * f}, shape=c3, floor=1.0),
+                 _row("b.conv3", batch, None, {"sparseconv": 5.0 * f, "cudnn_fp32": 5.0 * f}, shape=c1),
+                 _row("b.down", batch, None, {"sparseconv": 1.0 * f, "cudnn_fp32": 2.0 * f}, shape=down)]
+    result = _result(rows)
+    got = {(c["batch"], c["layer_class"]): c for c in result.classes}
+    assert [(c["batch"], c["layer_class"]) for c in result.classes] == \
+        [(b, c) for b in (1, 64) for c in ("stem", "3x3", "1x1", "strided 1x1")]
+    three = got[(64, "3x3")]
+    assert three["layers"] == 2 and three["sparseconv_us"] == pytest.approx(80.0)
+    assert three["cudnn_fp32_us"] == pytest.approx(120.0) and three["cudnn_tf32_us"] == pytest.approx(60.0)
+    assert three["x_cudnn_fp32"] == pytest.approx(1.5) and three["x_cudnn_tf32"] == pytest.approx(0.75)
+    assert three["floor_us"] == pytest.approx(2.0) and three["per_floor"] == pytest.approx(40.0)
+    # no TF32 time for the stem: no partial sum, no ratio
+    assert got[(1, "stem")]["cudnn_tf32_us"] is None and got[(1, "stem")]["x_cudnn_tf32"] is None
+    assert got[(1, "stem")]["x_cudnn_fp32"] == pytest.approx(2.0)
+    text = bm.format_table(result)
+    assert "Summed by layer class" in text
+    assert "| 3x3 | 64 | 2 | 80.0 | 120.0 | 60.0 | 2.0 | 1.50 | 0.75 | 40.00 |" in text
+    assert "| stem | 1 | 1 | 3.0 | 6.0 | - | 2.0 | 2.00 | - | 1.50 |" in text
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["classes"] == result.classes
+
+
+def test_no_class_summary_for_random_masks():
+    result = _result([_row("vgg-conv1", 1, 0.9, {"sparseconv": 1.0, "cudnn_fp32": 2.0})])
+    assert result.classes == [] and "classes" not in result.to_dict()
+    assert "Summed by layer class" not in bm.format_table(result)
 
 
 def _result(rows, notes=()):
@@ -191,7 +270,7 @@ def test_torch_flags_are_restored():
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     before = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark)
     with pytest.raises(RuntimeError):
-        with bm.torch_flags(torch, tf32=not before[0], cudnn_benchmark=not before[2]):
+        with torch_flags(torch, tf32=not before[0], cudnn_benchmark=not before[2]):
             assert (cudnn.allow_tf32, matmul.allow_tf32) == (not before[0], not before[0])
             raise RuntimeError("inside")
     assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.benchmark) == before
@@ -222,7 +301,7 @@ def test_plot_without_matplotlib_exits_2_with_the_install_hint(monkeypatch):
     def missing():
         raise bm.BenchError("the PNG plot needs matplotlib: pip install 'sparseconv[bench]'")
 
-    monkeypatch.setattr("sparseconv.bench_cli.require_matplotlib", missing)
+    monkeypatch.setattr("sparseconv.benchmark.cli.require_matplotlib", missing)
     res = CliRunner().invoke(bench, ["--sweep", "--plot", "x.png"])
     assert res.exit_code == 2
     assert "needs matplotlib" in res.output
@@ -255,10 +334,10 @@ def test_gpu_im2col_matches_the_generic_one_in_both_orders(shape):
     import cupy
 
     x = cupy.random.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w), dtype=cupy.float32)
-    ref = bm.im2col(x, shape, cupy)
+    ref = im2col(x, shape, cupy)
     for order in ("C", "F"):
         cols = cupy.full(ref.shape, cupy.nan, dtype=cupy.float32, order=order)
-        bm.gpu_im2col(x, shape, cols)
+        bl.gpu_im2col(x, shape, cols)
         cupy.testing.assert_array_equal(cols, ref)
 
 
@@ -267,15 +346,15 @@ def test_a_wrong_im2col_fails_the_baseline_check(monkeypatch):
     import cupy
 
     shape = ConvShape(3, 4, 9, 9, 3, 3, (1, 1), (1, 1))
-    w = bm.pruned_weight(np.random.default_rng(0), shape.weight_shape, 0.5)
+    w = pruned_weight(np.random.default_rng(0), shape.weight_shape, 0.5)
     w[:, 0, 0, 0] = 1.0  # so the column the broken im2col zeroes matters
     rng = cupy.random.default_rng(0)
-    good = bm._check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
-    assert all(c["ok"] for c in good.values()) and set(good) == {"cublas_gemm", "cusparse_spmm"}
-    real = bm.gpu_im2col
-    monkeypatch.setattr(bm, "gpu_im2col", lambda x, s, cols: (real(x, s, cols), cols.__setitem__(0, 0)))
-    bad = bm._check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
-    assert not any(c["ok"] for c in bad.values())
+    good = bl.check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
+    assert all(c.ok for c in good.values()) and set(good) == {"cublas_gemm", "cusparse_spmm"}
+    real = bl.gpu_im2col
+    monkeypatch.setattr(bl, "gpu_im2col", lambda x, s, cols: (real(x, s, cols), cols.__setitem__(0, 0)))
+    bad = bl.check_baselines(shape, w, ["cublas_gemm", "cusparse_spmm"], rng)
+    assert not any(c.ok for c in bad.values())
 
 
 @pytest.mark.gpu
@@ -284,9 +363,10 @@ def test_bench_runs_two_small_layers(session_cache_dir):
     config = bm.BenchConfig(batches=(1, 4), sparsities=(0.9,), repeat=5, max_seconds=0.5,
                             cache_dir=str(session_cache_dir), jobs=2)
     result = bm.run_bench(layers, config, command="test", log=lambda s: None)
-    assert [(r["layer"], r["batch"]) for r in result.rows] == \
+    rows = [r.to_dict() for r in result.rows]
+    assert [(r["layer"], r["batch"]) for r in rows] == \
         [("lenet-conv1", 1), ("lenet-conv1", 4), ("resnet-conv2", 1), ("resnet-conv2", 4)]
-    for r in result.rows:
+    for r in rows:
         assert not r["errors"], r["errors"]
         assert set(r["us"]) >= {"sparseconv", "cublas_gemm", "cusparse_spmm"}
         assert all(v > 0 for v in r["us"].values())
@@ -296,7 +376,7 @@ def test_bench_runs_two_small_layers(session_cache_dir):
         assert set(r["speedup"]) == set(r["us"]) - {"sparseconv"}
     assert result.meta["device"] and result.meta["cupy"]
     if result.meta["torch"] is not None:
-        assert result.meta["cudnn"] and "cudnn_fp32" in result.rows[0]["us"]
+        assert result.meta["cudnn"] and "cudnn_fp32" in rows[0]["us"]
     assert "| resnet-conv2 | 4 |" in bm.format_table(result)
     json.dumps(result.to_dict())
 
@@ -314,3 +394,5 @@ def test_bench_cli_on_the_shipped_model(tmp_path, session_cache_dir, monkeypatch
     assert [r["layer"] for r in doc["rows"]] == ["/conv1/Conv", "/conv2/Conv"]
     assert all(r["sparsity"] is None and r["check"]["sparseconv"]["ok"] for r in doc["rows"])
     assert doc["meta"]["sparsities"] is None
+    assert [(c["layer_class"], c["layers"]) for c in doc["classes"]] == [("stem", 1), ("3x3", 1)]
+    assert "Summed by layer class" in res.output

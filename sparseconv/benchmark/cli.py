@@ -1,8 +1,7 @@
-"""The `sparseconv bench` command (library part: sparseconv/benchmark.py).
+"""The `sparseconv bench` command (click), registered by sparseconv/cli.py.
 
-Registered in cli.py with `main.add_command(bench)`; bench/bench_layers.py runs
-the same command as a script. Exit codes: 0 success, 1 no GPU / a build failed /
-a correctness check failed, 2 bad input (with a one-line reason)."""
+Exit codes: 0 success, 1 no GPU / a build failed / a correctness check failed,
+2 bad input (with a one-line reason)."""
 from __future__ import annotations
 
 import json
@@ -13,11 +12,35 @@ from typing import List, Optional, Tuple
 
 import click
 
-from .benchmark import (SWEEP, BenchConfig, BenchError, BenchLayer, BenchResult, benchmark_layers, format_table,
-                        model_bench_layers, parse_baselines, parse_sparsities, plot_sweep, require_matplotlib,
-                        run_bench, select_layers)
-from .cli_options import load_model_or_exit
-from .model import FORMATS
+from ..cli_options import cache_dir_option, format_option, input_size_option, load_model_or_exit, spec_option
+from ..compile import CompileError, ToolNotFoundError
+from .report import BenchResult, format_table, plot_sweep, require_matplotlib
+from .rows import BASELINES, BenchError
+from .run import BenchConfig, BenchLayer, benchmark_layers, model_bench_layers, run_bench, select_layers
+
+SWEEP = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+
+def parse_sparsities(text: str) -> Tuple[float, ...]:
+    """'0.9' or '0.5,0.9' -> floats in [0, 1)."""
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"sparsity must be a number or a comma list like 0.5,0.9, got {text!r}") from None
+    if not values or any(not 0.0 <= v < 1.0 for v in values):
+        raise ValueError(f"each sparsity must be in [0, 1), got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_baselines(text: str) -> Tuple[str, ...]:
+    """'cudnn_fp32,cublas_gemm', 'all' or 'none' -> names in BASELINES order."""
+    if text.strip() == "all":
+        return BASELINES
+    names = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "none"]
+    bad = [n for n in names if n not in BASELINES]
+    if bad:
+        raise ValueError(f"unknown baseline(s) {', '.join(bad)}; choose from {', '.join(BASELINES)}, all or none")
+    return tuple(b for b in BASELINES if b in names)
 
 
 def _layers(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
@@ -48,11 +71,9 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 @click.command()
 @click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Time this model's conv layers, with its own weights, instead of the 10 benchmark layers.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="Model format (default: from the extension or the first bytes).")
-@click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Layer spec JSON for models without a __spec__ entry.")
-@click.option("--input-size", default=None, help="Model input H x W when the model does not fix it, e.g. 224.")
+@format_option
+@spec_option
+@input_size_option
 @click.option("--layers", "layer_globs", default="*", show_default=True,
               help="Only layers whose name matches one of these comma-separated globs, e.g. 'vgg-*,resnet-conv1'.")
 @click.option("--sparsity", default=None,
@@ -75,8 +96,7 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
               help="Also write the environment, every row and the geomeans to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG of speedup over cuDNN fp32 against sparsity (needs a sweep and matplotlib).")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@cache_dir_option
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel kernel builds (default: CPU count).")
 def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
           layer_globs: str, sparsity: Optional[str], sweep: bool, batches: Tuple[int, ...], baselines_text: str,
@@ -125,7 +145,7 @@ def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Pa
     if plot_path is not None:
         plotted = plot_sweep(result, str(plot_path))
         click.echo(f"wrote {plot_path} (speedup over {plotted})", err=True)
-    failed = [r for r in result.rows if any(not c["ok"] for c in r["check"].values())]
+    failed = [r for r in result.rows if not r.checks_ok]
     if failed:
         click.echo(f"error: {len(failed)} rows failed a correctness check (rel. L2 above the limit); "
                    "see the check column", err=True)
@@ -133,8 +153,6 @@ def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Pa
 
 
 def _run(layers: List[BenchLayer], config: BenchConfig, command: str) -> BenchResult:
-    from .compile import CompileError, ToolNotFoundError
-
     try:
         return run_bench(layers, config, command, log=lambda s: click.echo(s, err=True))
     except (BenchError, ToolNotFoundError, CompileError) as exc:
