@@ -1,4 +1,4 @@
-"""Compile every conv layer of a pruned VGG-16 or ResNet-50: cold, then warm.
+"""Compile time of every conv layer of a pruned VGG-16 or ResNet-50: cold, then warm.
 
     python bench/compile_model.py vgg16 [--sparsity 0.9] [--jobs N] [--load] [--json out.json]
 
@@ -14,10 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-root = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(root / "models"))
-from make_pruned_zoo import pruned_model  # noqa: E402
-from sparseconv.parallel import LayerJob, build_many  # noqa: E402
+from sparseconv.parallel import LayerJob, build_many
+from sparseconv.testing import conv2d_reference, relative_l2
+from sparseconv.zoo import pruned_model
 
 
 def main() -> None:
@@ -83,9 +82,6 @@ def check_layers(jobs, kernels):
     """Relative L2 error of each layer on a fresh random batch of 2, NaN-poisoned output."""
     import cupy as cp
     import numpy as np
-
-    sys.path.insert(0, str(root / "tests"))
-    from sparseconv.testing import conv2d_reference, relative_l2
 
     rng = np.random.default_rng()
     errors = {}

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sparseconv.testing import pruned_weight  # noqa: E402
-from sparseconv.build import build_conv2d  # noqa: E402
-from sparseconv.cache import ArtifactCache  # noqa: E402
-from sparseconv.operators import benchmark_operators  # noqa: E402
+from sparseconv.testing import pruned_weight
+from sparseconv.build import build_conv2d
+from sparseconv.cache import ArtifactCache
+from sparseconv.operators import benchmark_operators
 
 
 def main() -> None:

@@ -1,4 +1,6 @@
-"""Run every benchmark layer's kernel once (sparsity 0.9, batch 2), for
+"""Memory errors and races (under compute-sanitizer) and the relative L2 of every benchmark layer's kernel.
+
+Runs each kernel once (sparsity 0.9, batch 2), for
 `compute-sanitizer --tool memcheck --error-exitcode 1 python bench/memcheck_layers.py`
 and (shared-memory races of the double-buffered staging, on a few layers, as
 racecheck is slow) `compute-sanitizer --tool racecheck --error-exitcode 1
@@ -8,15 +10,13 @@ Checks results too, so a run that passes memcheck is also known to be right."""
 import fnmatch
 import sys
 import tempfile
-from pathlib import Path
 
 import cupy as cp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import sparseconv  # noqa: E402
-from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2  # noqa: E402
-from sparseconv.operators import benchmark_operators  # noqa: E402
+import sparseconv
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
+from sparseconv.operators import benchmark_operators
 
 
 def main() -> int:

@@ -1,5 +1,4 @@
-"""Build one benchmark layer (90% sparse) and call it three times at batch 64: a
-target for Nsight Compute.
+"""A target for Nsight Compute: one benchmark layer (90% sparse) called three times at batch 64.
 
     ncu --kernel-name regex:sc_conv2d --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
@@ -7,15 +6,13 @@ target for Nsight Compute.
         python bench/profile_layer.py vgg-conv3
 """
 import sys
-from pathlib import Path
 
 import cupy as cp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import sparseconv  # noqa: E402
-from sparseconv.testing import pruned_weight  # noqa: E402
-from sparseconv.operators import benchmark_operators  # noqa: E402
+import sparseconv
+from sparseconv.testing import pruned_weight
+from sparseconv.operators import benchmark_operators
 
 op = next(o for o in benchmark_operators() if o.name == sys.argv[1])
 s = op.shape

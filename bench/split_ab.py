@@ -1,5 +1,6 @@
-"""Kernel time of split k-blocks (piece functions, the default) against the
-same layer specialised whole (one function per k-block), on one GPU.
+"""Kernel time of split k-blocks (piece functions, the default) vs the same layer specialised whole.
+
+Whole: one function per k-block. One GPU, one run.
 
     python bench/split_ab.py [--sparsity 0.9] [--batches 1 64] [--json out.json]
 
@@ -9,32 +10,26 @@ around back-to-back launches, cupyx.profiler.benchmark) and split / whole."""
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import cupy as cp
 import numpy as np
-from cupyx.profiler import benchmark
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sparseconv.testing import pruned_weight  # noqa: E402
-from sparseconv.assemble import assemble_cubin  # noqa: E402
-from sparseconv.build import build_conv2d  # noqa: E402
-from sparseconv.cache import ArtifactCache  # noqa: E402
-from sparseconv.compile import compile_to_ptx  # noqa: E402
-from sparseconv.kernel import Conv2dKernel  # noqa: E402
-from sparseconv.render import render  # noqa: E402
-from sparseconv.specialise import specialise  # noqa: E402
-from sparseconv.zoo import model_layers  # noqa: E402
+from sparseconv.testing import pruned_weight
+from sparseconv.assemble import assemble_cubin
+from sparseconv.build import build_conv2d
+from sparseconv.cache import ArtifactCache
+from sparseconv.compile import compile_to_ptx
+from sparseconv.kernel import Conv2dKernel
+from sparseconv.render import render
+from sparseconv.specialise import specialise
+from sparseconv.timing import median_us
+from sparseconv.zoo import model_layers
 
 LAYERS = [("vgg16", "conv2_2"), ("vgg16", "conv3_2"), ("vgg16", "conv4_2"), ("vgg16", "conv5_1"),
           ("resnet50", "layer3.0.conv2"), ("resnet50", "layer4.0.conv1")]
-
-
-def median_us(fn):
-    return float(np.median(benchmark(fn, n_repeat=50, n_warmup=10).gpu_times[0]) * 1e6)
 
 
 def main() -> None:
@@ -63,7 +58,8 @@ def main() -> None:
             x = cp.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32))
             ys, yw = ks(x), kw(x)
             same = bool(cp.array_equal(ys, yw))
-            us_s, us_w = median_us(lambda: ks(x, out=ys)), median_us(lambda: kw(x, out=yw))
+            us_s = median_us(lambda: ks(x, out=ys), repeat=50, warmup=10)
+            us_w = median_us(lambda: kw(x, out=yw), repeat=50, warmup=10)
             st = split.stats
             print(f"| {model} {name} | {st['pieces']} / {st['kblocks']} | {n} | {us_s:.1f} | {us_w:.1f} | "
                   f"{us_s / us_w:.3f} | {same} |", flush=True)

@@ -1,4 +1,4 @@
-"""Time candidate tilings of the benchmark layers, all in one run on one GPU.
+"""Kernel time of candidate tilings of the benchmark layers, all in one run on one GPU.
 
     python bench/tiling_sweep.py [--sparsity 0.9] [--json out.json]
     python bench/tiling_sweep.py --grid --kblocks 16 32 --thread-w 2 4 --thread-h 1 2 --threads 128 256 512 \
@@ -18,16 +18,15 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
-from cupyx.profiler import benchmark
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sparseconv.testing import pruned_weight  # noqa: E402
-from sparseconv.parallel import LayerJob  # noqa: E402
-from sparseconv.build import build_conv2d  # noqa: E402
-from sparseconv.cache import ArtifactCache  # noqa: E402
-from sparseconv.kernel import Conv2dKernel  # noqa: E402
-from sparseconv.operators import benchmark_operators  # noqa: E402
-from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for  # noqa: E402
+from sparseconv.testing import pruned_weight
+from sparseconv.parallel import LayerJob
+from sparseconv.build import build_conv2d
+from sparseconv.cache import ArtifactCache
+from sparseconv.kernel import Conv2dKernel
+from sparseconv.operators import benchmark_operators
+from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for
+from sparseconv.timing import median_us
 
 
 def grid_tilings(shape, a):
@@ -96,9 +95,8 @@ def main() -> None:
         for batch in a.batches:
             x = cp.asarray(rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
             out = cp.empty(k.output_shape(batch), cp.float32)
-            r = benchmark(lambda: k(x, out=out), n_repeat=100 if batch == 1 else 30, n_warmup=5)
-            rows.append(dict(layer=op.name, tiling=t.describe(), default=is_default, batch=batch,
-                             us=float(np.median(r.gpu_times[0]) * 1e6)))
+            us = median_us(lambda: k(x, out=out), repeat=100 if batch == 1 else 30, warmup=5)
+            rows.append(dict(layer=op.name, tiling=t.describe(), default=is_default, batch=batch, us=us))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(f"# {time.strftime('%Y-%m-%d')}, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"sparsity {a.sparsity}: best tiling per layer vs the default\n")

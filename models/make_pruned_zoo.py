@@ -12,16 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparseconv.testing import he_pruned_weight
-from sparseconv.zoo import MODELS, model_layers
-
-
-def pruned_model(name: str, sparsity: float, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for layer, shape in model_layers(name):
-        out.append((layer, shape, he_pruned_weight(rng, shape.weight_shape, sparsity)))
-    return out
+from sparseconv.zoo import MODELS, pruned_model
 
 
 def main() -> None:

@@ -37,12 +37,14 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-def median_us(fn: Launch, batch: int = 64) -> float:
+def median_us(fn: Launch, batch: int = 64, *, repeat: Optional[int] = None, warmup: int = 3) -> float:
     """Median device time of fn in microseconds (CUDA events, back-to-back
-    launches; more repeats for small batches, whose launches are short)."""
+    launches). `repeat` timed calls; by default more for small batches, whose
+    launches are short."""
     from cupyx.profiler import benchmark
 
-    r = benchmark(fn, n_repeat=100 if batch <= 4 else 20, n_warmup=3)
+    n = repeat if repeat is not None else (100 if batch <= 4 else 20)
+    r = benchmark(fn, n_repeat=n, n_warmup=warmup)
     return float(np.median(r.gpu_times[0]) * 1e6)
 
 

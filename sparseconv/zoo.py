@@ -1,11 +1,13 @@
-"""Conv layer shapes of VGG-16 and ResNet-50 (torchvision, ImageNet 224x224 input).
-
-Only shapes live here; models/make_pruned_zoo.py makes pruned weights for them."""
+"""Conv layer shapes of VGG-16 and ResNet-50 (torchvision, ImageNet 224x224 input),
+and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+import numpy as np
+
 from .shapes import ConvShape
+from .testing import he_pruned_weight
 
 
 def vgg16() -> List[Tuple[str, ConvShape]]:
@@ -43,3 +45,11 @@ def model_layers(name: str) -> List[Tuple[str, ConvShape]]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return MODELS[name]()  # type: ignore[operator]
+
+
+def pruned_model(name: str, sparsity: float, seed: int = 0) -> List[Tuple[str, ConvShape, np.ndarray]]:
+    """(layer name, shape, weight) of every conv: He-initialised, magnitude-pruned
+    per layer to `sparsity`, deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    return [(layer, shape, he_pruned_weight(rng, shape.weight_shape, sparsity))
+            for layer, shape in model_layers(name)]
