@@ -432,7 +432,8 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
     enclosing = [(i, branches_after[st.text[:-1]], st.text[:-1]) for i, st in enumerate(stmts[:first])
                  if st.kind == "label" and st.text[:-1] in branches_after]
     if len(enclosing) != 1:
-        raise SpecialiseError(f"expected one loop around all placeholder FMAs, found {len(enclosing)}")
+        raise SpecialiseError(f"expected one loop around all placeholder FMAs, found {len(enclosing)} "
+                              "(did NVVM unroll the chunk loop? see compile.NVCC_FLAGS)")
     start, end, loop_label = enclosing[0]
     back_edge = stmts[end]
 

@@ -25,6 +25,9 @@ LAYERS = {
     "dilated_thread_h2": (ConvShape(4, 5, 11, 10, 3, 3, (1, 1), (2, 1), (2, 1)), Tiling(2, 3, 4, 6, 2, 3)),
     "grouped": (ConvShape(6, 9, 6, 7, 3, 3, (1, 1), (1, 1), groups=3), Tiling(2, 1, 6, 7, 1, 1)),
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
+    # issue 11, defect 3: bodies so small that NVVM unrolled the chunk loop (see compile.NVCC_FLAGS)
+    "one_input_channel_1x1": (ConvShape(1, 64, 8, 8, 1, 1), None),
+    "two_input_channels_1x1_on_1x1": (ConvShape(2, 8, 1, 1, 1, 1), None),
 }
 
 
@@ -66,6 +69,25 @@ def test_specialised_ptx_computes_the_convolution(name, sparsity):
     assert not np.isnan(y).any(), "outputs left unwritten"
     assert relative_l2(y, ref) <= 1e-5
     assert stats.fmas_deleted > 0
+
+
+@pytest.mark.parametrize("name", ["one_input_channel_1x1", "two_input_channels_1x1_on_1x1"])
+def test_tiny_layers_keep_their_chunk_loop(name):
+    """Issue 11, defect 3: np.ones((64, 1, 1, 1)) on 8x8 (and 8x2x1x1 on 1x1)
+    raised "expected one loop around all placeholder FMAs, found 0": NVVM had
+    unrolled the small chunk loop 2x. Now the loop stays, and the all-ones
+    layer computes the convolution."""
+    rendered, tptx = template(name)
+    shape = rendered.shape
+    rng = np.random.default_rng(4)
+    w = np.ones(shape.weight_shape, np.float32)
+    x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    ptx, stats = specialise(tptx, rendered, w)
+    assert stats.fmas_deleted == 0 and stats.fmas_kept == w.size * stats.fmas_per_weight
+    y = run_ptx(ptx, rendered, x, bias)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert relative_l2(y, ref) <= 1e-6
 
 
 def test_zero_weight_channels_write_their_bias():
