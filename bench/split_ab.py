@@ -24,7 +24,7 @@ from sparseconv.assemble import assemble_cubin  # noqa: E402
 from sparseconv.build import build_conv2d  # noqa: E402
 from sparseconv.cache import ArtifactCache  # noqa: E402
 from sparseconv.compile import compile_to_ptx  # noqa: E402
-from sparseconv.kernel import Conv2dKernel  # noqa: E402
+from sparseconv.runtime import Conv2dKernel  # noqa: E402
 from sparseconv.render import render  # noqa: E402
 from sparseconv.specialise import specialise  # noqa: E402
 from sparseconv.zoo import model_layers  # noqa: E402

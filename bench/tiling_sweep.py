@@ -25,7 +25,7 @@ from reference import pruned_weight  # noqa: E402
 from sparseconv.parallel import LayerJob  # noqa: E402
 from sparseconv.build import build_conv2d  # noqa: E402
 from sparseconv.cache import ArtifactCache  # noqa: E402
-from sparseconv.kernel import Conv2dKernel  # noqa: E402
+from sparseconv.runtime import Conv2dKernel  # noqa: E402
 from sparseconv.operators import benchmark_operators  # noqa: E402
 from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for  # noqa: E402
 

@@ -500,7 +500,7 @@ def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.nd
               log: Callable[[str], None]) -> None:
     """Build every kernel in a process pool first (CPU only), so the timing loop
     only loads cached cubins."""
-    from .assemble import device_target
+    from .runtime import device_target
     from .parallel import LayerJob, build_many
 
     shapes = {layer.name: layer.shape for layer in layers}
@@ -515,7 +515,7 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
     device = require_gpu()
     import cupy
 
-    from .kernel import compile_conv2d
+    from .api import compile_conv2d
 
     weights: Dict[Tuple[str, Any], np.ndarray] = {}
     for layer in layers:

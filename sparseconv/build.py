@@ -1,7 +1,8 @@
 """The pipeline, CPU side: render -> compile (cached) -> specialise -> assemble (cached).
 
 Needs nvcc (and ptxas for a cubin) but no GPU, so the CLI and CI can build
-artifacts anywhere. Loading and calling happen in sparseconv.kernel.
+artifacts anywhere. Loading and calling happen in sparseconv.runtime; nothing
+here imports it (or CuPy).
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from .parallel import LayerJob, build_many
 from .build import SPECIALISER_FINGERPRINT, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
+from .runtime import Conv2dKernel
 from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
 from .timing import median_us, replay_us
 
@@ -60,8 +61,6 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     default) and, with consider_dense, cuDNN strict fp32; return the fastest
     sparse build and the choice. Needs a GPU (the current CuPy device)."""
     import cupy
-
-    from .kernel import Conv2dKernel
 
     if not tilings:
         tilings = [default_tiling(shape)] + [t for t in candidate_tilings(shape) if t != default_tiling(shape)]

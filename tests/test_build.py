@@ -187,3 +187,34 @@ def test_kernel_keys_follow_the_code_that_makes_the_artifacts(tmp_path, monkeypa
     monkeypatch.setattr(build, "SPECIALISER_FINGERPRINT", "another specialiser")
     again = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
     assert again.stats["template_cache_hit"] and not again.stats["kernel_cache_hit"]
+
+
+def test_compile_conv2d_builds_for_an_explicit_target_without_a_gpu(tmp_path):
+    """Issue 11, defect 9: with target= compile_conv2d asks the GPU for nothing
+    until it loads the kernel. Without a GPU the load fails (a CuPy error),
+    after the layer was built and cached for that target."""
+    from sparseconv import Target, compile_conv2d
+
+    w = weight()
+    try:
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), stride=SHAPE.stride, padding=SHAPE.padding,
+                       tiling=TILING, target=Target("sm_90"), cache_dir=str(tmp_path))
+    except Exception as exc:  # no GPU here: only loading may fail
+        assert type(exc).__module__.startswith("cupy"), repr(exc)
+    layer = build_conv2d(w, SHAPE, tiling=TILING, target=Target("sm_90"), cache=ArtifactCache(tmp_path))
+    assert layer.stats["kernel_cache_hit"] and layer.target.arch == "sm_90"
+    with pytest.raises(TypeError, match="target must be a sparseconv.Target"):
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), target="sm_90", cache_dir=str(tmp_path))
+
+
+def test_building_imports_no_run_time_code():
+    """Compile time and run time in separate rooms: importing the build side
+    loads neither the launch module nor CuPy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sparseconv.build, sparseconv.parallel; "
+            "print(sorted(m for m in ('cupy', 'sparseconv.runtime', 'sparseconv.api', 'sparseconv.tune') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
