@@ -13,7 +13,7 @@ from sparseconv.ptx import Stmt
 from sparseconv.assemble import assemble_cubin
 from sparseconv.shapes import Target
 from sparseconv.specialise import STATE_SYMBOL, analyse_template, pieces, plan_pieces, specialise
-from sparseconv.specialise.pieces import _PieceState
+from sparseconv.specialise.pieces import PieceState
 
 from ptx_interpreter import run_kernel
 
@@ -55,7 +55,7 @@ def test_piece_state_round_trips_registers_and_predicates():
     registers (as 0/1 words), each thread in its own slot of the shared array
     (interpreter, and ptxas + nvlink)."""
     layout = fake_layout(("%p1", "%f1", "%rd2"), ("%p1", "%f1", "%rd2", "%r1"))
-    state = _PieceState(layout, threads=8)
+    state = PieceState(layout, threads=8)
     assert state.bytes == 8 * (8 + 4 + 4 + 4)
     assert state.slot["%rd2"][2] == 0  # 8-byte column first, 8-byte aligned
     alias = {"%f1": "%f3"}  # %f1 reads %f3 (a deleted FMA's alias)

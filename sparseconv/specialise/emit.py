@@ -39,7 +39,7 @@ linear pass:
   copy boundary (accumulators, the chunk counter), found once per template by
   dataflow over the body and the epilogue (analysis._piece_interface). It goes through
   a static shared array `sc_state`, one column of `threads` slots per
-  register, each thread reading back only its own slots (_PieceState), not
+  register, each thread reading back only its own slots (pieces.PieceState), not
   through call parameters: the ABI passes big parameter lists on the stack,
   and that made split layers 1.1-1.8x slower on the H100, against 1.0-1.07x
   this way. The entry's jump table calls a split k-block's pieces in order,
@@ -70,11 +70,9 @@ import numpy as np
 
 from ..ptx import REG_RE, Stmt, reg_prefix
 from ..render import KBLOCK_FUNC, RenderedTemplate
-from ..shapes import patch_buffer_bytes
-from . import pieces
 from .analysis import (BodyLiveness, PlaceholderFma, SpecialiseError, TemplateLayout, analyse_template,
                        branch_target)
-from .pieces import _SIDE_EFFECTS, MAX_PIECE_LINES, STATE_SYMBOL, _PieceState, plan_pieces
+from .pieces import STATE_SYMBOL, PieceState, piece_budget, plan_pieces
 from .weights import arrange_weights
 
 
@@ -411,13 +409,10 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     labels = layout.labels
     out: List[str] = list(layout.header)
     counts = [0, 0, 0, 0]  # placeholder FMAs visited, deleted, loads dropped, template lines visited
-    budget = MAX_PIECE_LINES if piece_lines is None else piece_lines
     # Estimated lines of each chunk copy: the body's other statements plus its kept FMAs.
     cost = layout.body_other + np.count_nonzero(bits & 0x7FFFFFFF, axis=2) * layout.fmas_per_weight
-    state = _PieceState(layout, tiling.threads)
-    rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
-    if state.bytes + patch_buffer_bytes(shape, tiling) > pieces.MAX_SHARED_BYTES or not rerun_ok:
-        budget = 1 << 62  # the state does not fit next to the patch, or the prologue must run once: keep whole
+    state = PieceState(layout, tiling.threads)
+    budget = piece_budget(layout, state, shape, tiling, piece_lines)
     split: Dict[int, int] = {}  # k-block -> its number of pieces, where more than one
     epi_labels = {st.text[:-1] for st in layout.epilogue if st.kind == "label"}
     skip_labels = sorted({t for t in map(branch_target, layout.prologue) if t in epi_labels})

@@ -4,16 +4,16 @@ and the loop state those functions hand on through shared memory.
 A k-block function's chunk copies grow with C (a 512-channel VGG layer: 256
 copies, ~100K lines), and ptxas time per copy grows with the function's
 length. plan_pieces cuts them into runs of consecutive chunks of at most
-MAX_PIECE_LINES estimated lines; _PieceState lays out the loop state (the
+MAX_PIECE_LINES estimated lines; PieceState lays out the loop state (the
 analysis' piece interface) in a static shared array. The emitter (emit.py)
 writes the pieces.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..ptx import reg_prefix
-from ..shapes import MAX_PATCH_BYTES
+from ..shapes import MAX_PATCH_BYTES, ConvShape, Tiling, patch_buffer_bytes
 from .analysis import TemplateLayout
 
 # Bound on the estimated PTX lines of chunk copies in one function (see the
@@ -27,7 +27,7 @@ from .analysis import TemplateLayout
 # 8K, split layers ran at 1.00-1.07x the time of the same layers unsplit.
 MAX_PIECE_LINES = 8_000
 # Shared memory a block may use without opting in: the input patch plus, when
-# a k-block is split, the loop state its pieces hand on (see _PieceState).
+# a k-block is split, the loop state its pieces hand on (see PieceState).
 MAX_SHARED_BYTES = MAX_PATCH_BYTES
 
 
@@ -57,13 +57,25 @@ def plan_pieces(costs: List[int], budget: int) -> List[Tuple[int, int]]:
     return greedy(lo)
 
 
+
+def piece_budget(layout: TemplateLayout, state: "PieceState", shape: ConvShape, tiling: Tiling,
+                 piece_lines: Optional[int] = None) -> int:
+    """Estimated lines of chunk copies one function may hold: `piece_lines`
+    (default MAX_PIECE_LINES), or no bound (k-blocks stay whole) when the loop
+    state would not fit in shared memory next to the input patch, or when the
+    prologue, which every piece reruns, does more than compute."""
+    rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
+    if state.bytes + patch_buffer_bytes(shape, tiling) > MAX_SHARED_BYTES or not rerun_ok:
+        return 1 << 62
+    return MAX_PIECE_LINES if piece_lines is None else piece_lines
+
 _STATE_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8, "pred": 4}
 # Each piece reruns the prologue, which is fine only while it just computes.
 _SIDE_EFFECTS = frozenset({"st", "bar", "barrier", "atom", "red", "call", "membar", "fence", "cp"})
 STATE_SYMBOL = "sc_state"
 
 
-class _PieceState:
+class PieceState:
     """Where a piece leaves the loop state for the next one: a static shared
     array, one column of `threads` slots per register (8-byte columns first),
     each thread at its own slot (bank-conflict free; only the thread that
