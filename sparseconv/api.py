@@ -59,6 +59,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
     if not isinstance(tune_batch, int) or tune_batch < 1:
         raise ValueError(f"{name}: tune_batch must be a positive int, got {tune_batch!r}")
+    if target is not None and not isinstance(target, Target):
+        raise TypeError(f"{name}: target must be a sparseconv.Target, got {type(target).__name__}")
     w = _host_array(weight, f"{name}: weight")
     shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
     b = None
@@ -66,8 +68,6 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         b = _host_array(bias, f"{name}: bias")
         if b.shape != (shape.out_channels,):
             raise ValueError(f"{name}: bias must have shape ({shape.out_channels},), got {b.shape}")
-    if target is not None and not isinstance(target, Target):
-        raise TypeError(f"{name}: target must be a sparseconv.Target, got {type(target).__name__}")
     cache = ArtifactCache(cache_dir)
     target = target or device_target()
     tuning = None
