@@ -38,7 +38,7 @@ def main() -> None:
     t = time.perf_counter()
     warm = build_many(jobs, cache_dir=cache, workers=a.jobs, progress=False)
     if a.load:
-        from sparseconv.kernel import Conv2dKernel
+        from sparseconv.runtime import Conv2dKernel
         kernels = [Conv2dKernel(layer, None) for layer in warm.values()]
         assert len(kernels) == len(jobs)
     warm_s = time.perf_counter() - t

@@ -22,7 +22,7 @@ from sparseconv.assemble import assemble_cubin
 from sparseconv.build import build_conv2d
 from sparseconv.cache import ArtifactCache
 from sparseconv.compile import compile_to_ptx
-from sparseconv.kernel import Conv2dKernel
+from sparseconv.runtime import Conv2dKernel
 from sparseconv.render import render
 from sparseconv.specialise import specialise
 from sparseconv.timing import median_us

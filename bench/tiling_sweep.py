@@ -23,7 +23,7 @@ from sparseconv.testing import pruned_weight
 from sparseconv.parallel import LayerJob
 from sparseconv.build import build_conv2d
 from sparseconv.cache import ArtifactCache
-from sparseconv.kernel import Conv2dKernel
+from sparseconv.runtime import Conv2dKernel
 from sparseconv.operators import benchmark_operators
 from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for
 from sparseconv.timing import median_us

@@ -5,15 +5,41 @@ immediates). Exact fp32.
     conv = sparseconv.compile_conv2d(w, input_size=(56, 56), bias=b, stride=1, padding=1)
     y = conv(x)   # x: (N, C, 56, 56) float32 on the GPU; y: CuPy array
 
+    layer = sparseconv.build_conv2d(w, shape, target=sparseconv.Target("sm_90"))  # build only, no GPU
     model = sparseconv.compile_model("models/lenet_digits_pruned.onnx")  # a whole ONNX model
     sparseconv.torch.sparsify(torch_model, example_input)                # PyTorch drop-in
+
+The public names load on first use (PEP 562), so importing one part of the
+package (say sparseconv.build, on a machine without a GPU) does not import
+the others: the build side never loads the run-time code.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-from .build import CompiledLayer, build_conv2d  # noqa: E402
-from .kernel import Conv2dKernel, DenseConv2dKernel, compile_conv2d  # noqa: E402
-from .runner import SparseModel, compile_model  # noqa: E402
-from .shapes import ConvShape, Target, Tiling, default_tiling  # noqa: E402
+# public name -> the module that defines it
+_PUBLIC = {
+    "compile_conv2d": "api",
+    "Conv2dKernel": "runtime", "DenseConv2dKernel": "runtime",
+    "compile_model": "runner", "SparseModel": "runner",
+    "build_conv2d": "build", "CompiledLayer": "build",
+    "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "shapes",
+}
 
-__all__ = ["compile_conv2d", "Conv2dKernel", "DenseConv2dKernel", "compile_model", "SparseModel", "build_conv2d",
-           "CompiledLayer", "ConvShape", "Tiling", "Target", "default_tiling", "__version__"]
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sparseconv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,9 +1,9 @@
-"""Stage 4, assemble and load: specialised PTX -> cubin (ptxas) -> cupy.RawModule.
+"""Stage 4, assemble: specialised PTX -> cubin (ptxas, one function per job, then nvlink).
 
 A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is JIT-compiled
-by the driver only if its .version is one the driver knows. So we prefer ptxas,
-and fall back to loading PTX only when no ptxas is found, after checking the
-PTX version against the driver (with advice when it is too new).
+by the driver only if its .version is one the driver knows. So the build prefers
+ptxas, and falls back to a PTX artifact only when no ptxas is found (loading it
+checks the PTX version against the driver: sparseconv.runtime). No GPU needed.
 """
 from __future__ import annotations
 
@@ -12,17 +12,13 @@ import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional
 
 from .compile import ToolNotFoundError, find_tool, run_tool
-from .ptx import parse_module, ptx_version
+from .ptx import parse_module
 from .shapes import Target
 
 PTXAS_FLAGS = ("-O3",)
-
-
-class DriverTooOldError(RuntimeError):
-    pass
 
 
 _CALL_RE = re.compile(r"\bcall(?:\.uni)?\s*(?:\([^)]*\)\s*,\s*)?([A-Za-z_$][\w$]*)")
@@ -95,47 +91,3 @@ def have_ptxas() -> bool:
         return True
     except ToolNotFoundError:
         return False
-
-
-def max_ptx_version(driver_version: int) -> Tuple[int, int]:
-    """Newest PTX ISA a driver can JIT, from cudaDriverGetVersion (e.g. 13000).
-    CUDA 11.x -> 7.x, 12.x -> 8.x, 13.x -> 9.x (PTX major = CUDA major - 4)."""
-    major, minor = driver_version // 1000, (driver_version % 1000) // 10
-    return (major - 4, minor)
-
-
-def check_ptx_loadable(ptx: str, driver_version: int) -> None:
-    have = ptx_version(ptx)
-    limit = max_ptx_version(driver_version)
-    if have > limit:
-        raise DriverTooOldError(
-            f"the PTX is .version {have[0]}.{have[1]} but this driver (CUDA {driver_version // 1000}."
-            f"{(driver_version % 1000) // 10}) JIT-compiles at most PTX {limit[0]}.{limit[1]}. Put a ptxas "
-            f"on PATH (SPARSECONV_PTXAS) so a cubin is built instead, use an nvcc no newer than the driver, "
-            f"or upgrade the driver.")
-
-
-def device_target(device_id: Optional[int] = None) -> Target:
-    """The Target of a CUDA device (the current one by default)."""
-    import cupy
-
-    dev = cupy.cuda.Device(device_id)
-    return Target(f"sm_{dev.compute_capability}")
-
-
-def load_kernel(artifact: bytes, suffix: str, entry: str) -> Tuple[Any, Any]:
-    """Load cubin (suffix '.cubin') or PTX ('.ptx') bytes with cupy.RawModule on
-    the current device; returns (module, kernel function). get_function forces
-    the load while the temporary file still exists (RawModule may be lazy)."""
-    import cupy
-
-    if suffix == ".ptx":
-        check_ptx_loadable(artifact.decode(), cupy.cuda.runtime.driverGetVersion())
-    fd, path = tempfile.mkstemp(prefix="sparseconv-", suffix=suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(artifact)
-        module = cupy.RawModule(path=path)
-        return module, module.get_function(entry)
-    finally:
-        os.unlink(path)

@@ -1,14 +1,16 @@
 """The pipeline, CPU side: render -> compile (cached) -> specialise -> assemble (cached).
 
 Needs nvcc (and ptxas for a cubin) but no GPU, so the CLI and CI can build
-artifacts anywhere. Loading and calling happen in sparseconv.kernel.
+artifacts anywhere. Loading and calling happen in sparseconv.runtime; nothing
+here imports it (or CuPy).
 """
 from __future__ import annotations
 
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -20,8 +22,29 @@ from .render import ENTRY_NAME, render
 from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
 from .specialise import analyse_template, specialise
 
-# Bump when the specialiser's output for the same input changes.
-SPECIALISER_VERSION = "2"
+# The source files whose code decides a kernel artifact beyond what its key
+# already names (the rendered template, the tools and their flags): the pass,
+# the PTX parser it uses, the placeholder -> weight mapping (render.py), the
+# block/chunk arithmetic (shapes.py) and ptxas's driver (assemble.py).
+_ARTIFACT_SOURCES = ("specialise/*.py", "ptx.py", "render.py", "shapes.py", "assemble.py")
+
+
+def code_fingerprint(patterns: Tuple[str, ...], root: Optional[Path] = None) -> str:
+    """sha256 over the package's source files matching `patterns` (names and
+    contents, in sorted order): any edit to the code that produces an artifact
+    changes the keys it is cached under, as Triton hashes its compiler sources."""
+    root = root or Path(__file__).resolve().parent
+    files = sorted({f for pattern in patterns for f in root.glob(pattern)})
+    if not files:
+        raise RuntimeError(f"sparseconv's source files are missing under {root}; reinstall sparseconv")
+    parts: list = []
+    for f in files:
+        parts += [f.relative_to(root).as_posix(), f.read_bytes()]
+    return cache_key("code", *parts)
+
+
+# Part of every kernel and tuning key; computed once per process.
+SPECIALISER_FINGERPRINT = code_fingerprint(_ARTIFACT_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,22 @@ def template_cache_key(source: str, target: Target) -> str:
     return cache_key("template", __version__, source, target.arch, tool_identity("nvcc"), " ".join(NVCC_FLAGS))
 
 
+def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str) -> Optional[bytes]:
+    """The artifact a kernel index names, if its specialised PTX (which the CLI
+    writes out and `compile` bundles) and the artifact are both in the cache
+    and intact; None (so the caller rebuilds both) otherwise."""
+    sha = index.get("ptx_sha256")
+    if not isinstance(sha, str) or not isinstance(index.get("stats"), dict):
+        return None
+    try:
+        ptx = cache.get("kernel", sha, ".ptx")
+    except ValueError:  # not a key at all
+        return None
+    if ptx is None or hashlib.sha256(ptx).hexdigest() != sha:
+        return None
+    return ptx if suffix == ".ptx" else cache.get("kernel", sha, suffix)
+
+
 def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
                  target: Optional[Target] = None, cache: Optional[ArtifactCache] = None,
                  name: str = "conv") -> CompiledLayer:
@@ -88,17 +127,16 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     use_ptxas = have_ptxas()
     suffix = ".cubin" if use_ptxas else ".ptx"
     assembler = tool_identity("ptxas") + " ".join(PTXAS_FLAGS) if use_ptxas else "driver-jit"
-    kkey = cache_key("kernel", tkey, SPECIALISER_VERSION, weight.tobytes(), repr(shape), repr(tiling), assembler)
+    kkey = cache_key("kernel", tkey, SPECIALISER_FINGERPRINT, weight.tobytes(), repr(shape), repr(tiling), assembler)
 
-    # Warm path: the index names the specialised artifact by its content hash.
+    # Warm path: the index names the specialised PTX and artifact by the PTX's
+    # content hash; both must still be there intact, or the layer is rebuilt.
     index = cache.get_json("kernel", kkey)
-    if index is not None:
-        artifact = cache.get("kernel", index["ptx_sha256"], suffix)
-        if artifact is not None:
-            stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
-                         template_cache_hit=template_hit, kernel_cache_hit=True)
-            return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix,
-                                 index["ptx_sha256"], stats)
+    warm = _cached_artifact(cache, index, suffix) if index is not None else None
+    if warm is not None:
+        stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
+                     template_cache_hit=template_hit, kernel_cache_hit=True)
+        return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, warm, suffix, index["ptx_sha256"], stats)
 
     t = time.perf_counter()
     layout = analyse_template(template_ptx, rendered)
@@ -115,6 +153,8 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     cache.put_text("kernel", ptx_sha, ".ptx", ptx)
     if use_ptxas:
         cache.put("kernel", ptx_sha, ".cubin", artifact)
-    cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats})  # index last
+    # The index last; "refs" lets `cache verify` report it when what it names is gone.
+    refs = [["kernel", ptx_sha, ".ptx"]] + ([["kernel", ptx_sha, ".cubin"]] if use_ptxas else [])
+    cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats, "refs": refs})
     stats = dict(stats, seconds=seconds, template_cache_hit=template_hit, kernel_cache_hit=False)
     return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats)

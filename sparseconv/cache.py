@@ -33,7 +33,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -70,7 +70,8 @@ class CacheEntry:
     path: Path
     size: int  # bytes on disk, header included
     mtime: float
-    ok: bool  # the self-check passes
+    ok: bool  # the self-check passes (verify(): and every entry it refers to is there and passes)
+    problem: str = ""  # why verify() reports it
 
 
 def default_cache_dir() -> Path:
@@ -278,8 +279,36 @@ class ArtifactCache:
         return found
 
     def verify(self) -> list[CacheEntry]:
-        """The entries whose self-check fails (nothing is deleted)."""
-        return [e for e in self.entries() if not e.ok]
+        """The entries whose self-check fails, and the JSON entries whose "refs"
+        (a list of [kind, key, suffix]) name an entry that is missing or fails
+        its own (a kernel index whose specialised PTX or cubin is gone).
+        Nothing is deleted; a build rebuilds what they name on next use."""
+        entries = self.entries()
+        good = {(e.kind, e.key, e.suffix) for e in entries if e.ok}
+        bad: list[CacheEntry] = []
+        for e in entries:
+            if not e.ok:
+                bad.append(replace(e, problem="self-check failed"))
+                continue
+            if e.suffix != ".json":
+                continue
+            missing = [r for r in self._refs(e) if r not in good]
+            if missing:
+                kind, key, suffix = missing[0]
+                bad.append(replace(e, ok=False, problem=f"refers to {kind}/{key[:16]}{suffix}, which is missing "
+                                                        "or corrupt"))
+        return bad
+
+    def _refs(self, entry: CacheEntry) -> list[tuple[str, str, str]]:
+        """The [kind, key, suffix] triples a JSON entry's "refs" lists."""
+        try:
+            obj = json.loads(entry.path.read_bytes().split(b"\n", 1)[1])
+        except (OSError, ValueError, IndexError):
+            return []
+        refs = obj.get("refs") if isinstance(obj, dict) else None
+        if not isinstance(refs, list):
+            return []
+        return [tuple(r) for r in refs if isinstance(r, list) and len(r) == 3 and all(isinstance(p, str) for p in r)]
 
     def clear(self) -> int:
         """Remove every entry and stale temp file; return how many files were removed.

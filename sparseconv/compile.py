@@ -12,7 +12,15 @@ from typing import Optional, Sequence
 
 from .shapes import Target
 
-NVCC_FLAGS = ("-O3",)  # never --use_fast_math: results must be exact fp32
+# Never --use_fast_math: results must be exact fp32.
+# -unroll-runtime=0 (an option of NVVM's optimiser, passed through cicc): the
+# specialiser copies the chunk loop's body once per chunk, so the loop must
+# stay a loop with its body once in the PTX. `#pragma unroll 1` asks for that,
+# but NVVM drops the pragma once the body holds inline asm (the cp.async
+# staging), and then unrolls a small body 2x with a remainder copy at run time
+# (seen on 1x1 layers with one or two input channels). Bigger bodies are never
+# runtime-unrolled, so their PTX is the same with or without the option.
+NVCC_FLAGS = ("-O3", "-Xcicc", "--Xopt", "-Xcicc", "-unroll-runtime=0")
 
 
 class ToolNotFoundError(RuntimeError):

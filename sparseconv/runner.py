@@ -260,7 +260,7 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took."""
-    from .kernel import compile_layers
+    from .api import compile_layers
 
     program = load_program(path, input_size)
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],

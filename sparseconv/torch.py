@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kernel import Conv2dKernel, as_cupy_stream
+from .runtime import Conv2dKernel, as_cupy_stream
 from .shapes import ConvShape, shape_from_weight
 from .tune import DENSE, SPARSE_EVENTS
 
@@ -151,7 +151,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     ("sparseconv", "dense" or "kept") and why."""
     import cupy
 
-    from .kernel import compile_layers
+    from .api import compile_layers
 
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")

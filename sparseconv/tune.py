@@ -23,9 +23,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .parallel import LayerJob, build_many
-from .build import SPECIALISER_VERSION, CompiledLayer, build_conv2d
+from .build import SPECIALISER_FINGERPRINT, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
+from .runtime import Conv2dKernel
 from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
 from .timing import median_us, replay_us
 
@@ -61,13 +62,11 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     sparse build and the choice. Needs a GPU (the current CuPy device)."""
     import cupy
 
-    from .kernel import Conv2dKernel
-
     if not tilings:
         tilings = [default_tiling(shape)] + [t for t in candidate_tilings(shape) if t != default_tiling(shape)]
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     dense = dense_conv2d(weight, bias, shape) if consider_dense else None
-    key = cache_key("tuning", SPECIALISER_VERSION, weight.tobytes(), repr(shape), target.arch, device, str(batch),
+    key = cache_key("tuning", SPECIALISER_FINGERPRINT, weight.tobytes(), repr(shape), target.arch, device, str(batch),
                     repr(sorted(t.describe() for t in tilings)), str(dense is not None))
     note = "dense not timed: needs torch with CUDA" if consider_dense and dense is None else ""
     hit = cache.get_json("tuning", key)

@@ -1,7 +1,7 @@
 """CPU: PTX version vs driver checks."""
 import pytest
 
-from sparseconv.assemble import DriverTooOldError, check_ptx_loadable, max_ptx_version
+from sparseconv.runtime import DriverTooOldError, check_ptx_loadable, max_ptx_version
 
 PTX = ".version {}\n.target sm_90\n.address_size 64\n"
 

@@ -137,3 +137,84 @@ def test_compile_error_survives_pickling():
 
     e = pickle.loads(pickle.dumps(CompileError("ptxas", "error: bad", "line 1\nline 2", "layer x")))
     assert isinstance(e, CompileError) and "ptxas failed on layer x" in str(e) and "    2  line 2" in e.dump()
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+@pytest.mark.parametrize("victim", [".ptx", ".cubin"])
+def test_a_damaged_specialised_artifact_heals(tmp_path, victim, damage):
+    """Issue 11, defect 2: a deleted or corrupted specialised .ptx (or .cubin)
+    is reported by verify() and rebuilt by the next build, which then returns
+    the same artifacts and leaves the cache whole."""
+    cache = ArtifactCache(tmp_path)
+    a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    path = cache.path_for("kernel", a.ptx_sha256, victim)
+    if damage == "delete":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x01
+        path.write_bytes(bytes(data))
+    bad = cache.verify()
+    index = cache.path_for("kernel", a.stats["kernel_key"], ".json")
+    assert index in {e.path for e in bad}, "verify() must report the index naming the damaged artifact"
+    assert all(e.problem for e in bad)
+    b = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    assert not b.stats["kernel_cache_hit"]
+    assert b.artifact == a.artifact and b.ptx_sha256 == a.ptx_sha256
+    assert cache.get_text("kernel", a.ptx_sha256, ".ptx") is not None
+    assert cache.verify() == []
+    assert build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache).stats["kernel_cache_hit"]
+
+
+def test_kernel_keys_follow_the_code_that_makes_the_artifacts(tmp_path, monkeypatch):
+    """The kernel key holds a hash of the specialiser's sources, not a
+    hand-bumped version: an edit to them changes the fingerprint, and a new
+    fingerprint misses the old kernels (the template is still reused)."""
+    from sparseconv import build
+
+    src = tmp_path / "src"
+    (src / "specialise").mkdir(parents=True)
+    (src / "specialise" / "emit.py").write_text("x = 1\n")
+    (src / "ptx.py").write_text("y = 2\n")
+    before = build.code_fingerprint(("specialise/*.py", "ptx.py"), root=src)
+    (src / "specialise" / "emit.py").write_text("x = 2\n")
+    assert build.code_fingerprint(("specialise/*.py", "ptx.py"), root=src) != before
+    with pytest.raises(RuntimeError, match="source files are missing"):
+        build.code_fingerprint(("nothing/*.py",), root=src)
+
+    cache = ArtifactCache(tmp_path / "cache")
+    build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    monkeypatch.setattr(build, "SPECIALISER_FINGERPRINT", "another specialiser")
+    again = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    assert again.stats["template_cache_hit"] and not again.stats["kernel_cache_hit"]
+
+
+def test_compile_conv2d_builds_for_an_explicit_target_without_a_gpu(tmp_path):
+    """Issue 11, defect 9: with target= compile_conv2d asks the GPU for nothing
+    until it loads the kernel. Without a GPU the load fails (a CuPy error),
+    after the layer was built and cached for that target."""
+    from sparseconv import Target, compile_conv2d
+
+    w = weight()
+    try:
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), stride=SHAPE.stride, padding=SHAPE.padding,
+                       tiling=TILING, target=Target("sm_90"), cache_dir=str(tmp_path))
+    except Exception as exc:  # no GPU here: only loading may fail
+        assert type(exc).__module__.startswith("cupy"), repr(exc)
+    layer = build_conv2d(w, SHAPE, tiling=TILING, target=Target("sm_90"), cache=ArtifactCache(tmp_path))
+    assert layer.stats["kernel_cache_hit"] and layer.target.arch == "sm_90"
+    with pytest.raises(TypeError, match="target must be a sparseconv.Target"):
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), target="sm_90", cache_dir=str(tmp_path))
+
+
+def test_building_imports_no_run_time_code():
+    """Compile time and run time in separate rooms: importing the build side
+    loads neither the launch module nor CuPy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sparseconv.build, sparseconv.parallel; "
+            "print(sorted(m for m in ('cupy', 'sparseconv.runtime', 'sparseconv.api', 'sparseconv.tune') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -338,6 +338,23 @@ def test_entries_and_verify(tmp_path: Path) -> None:
     assert bad.exists(), "verify() must not delete"
 
 
+def test_verify_reports_an_entry_whose_refs_are_gone(tmp_path: Path) -> None:
+    """A JSON entry lists the entries it names under "refs" (a kernel index:
+    its specialised PTX and cubin); verify() reports it when one is missing or
+    corrupt, and not while they are whole."""
+    c = ArtifactCache(tmp_path)
+    ptx_key, index_key = cache_key("ptx"), cache_key("index")
+    ptx = c.put_text("kernel", ptx_key, ".ptx", "// ptx")
+    index = c.put_json("kernel", index_key, {"refs": [["kernel", ptx_key, ".ptx"]]})
+    c.put_json("tuning", cache_key("t"), {"refs": "not a list"})  # ignored, not an error
+    assert c.verify() == []
+    ptx.write_bytes(ptx.read_bytes()[:-1])
+    assert {e.path for e in c.verify()} == {ptx, index}
+    ptx.unlink()
+    [e] = c.verify()
+    assert e.path == index and not e.ok and ptx_key[:16] in e.problem
+
+
 def test_entries_of_missing_root(tmp_path: Path) -> None:
     c = ArtifactCache(tmp_path / "nope")
     assert c.entries() == [] and c.verify() == [] and c.clear() == 0

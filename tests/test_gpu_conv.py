@@ -66,6 +66,9 @@ ODD_LAYERS = {
     "kernel_wider_than_image": (3, 5, 3, 4, 3, 5, (1, 1), (1, 2), (1, 1), 1, None),
     "odd_tiling_thread_h2": (10, 13, 19, 23, 3, 3, (1, 1), (1, 1), (1, 1), 1, Tiling(5, 3, 6, 12, 2, 3)),
     "tiling_tile_bigger_than_image": (4, 6, 5, 5, 3, 3, (1, 1), (1, 1), (1, 1), 1, Tiling(3, 2, 8, 8, 1, 2)),
+    # issue 11 defect 3: chunk loops small enough that NVVM used to unroll them
+    "one_input_channel_1x1": (1, 64, 8, 8, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
+    "two_input_channels_1x1_on_1x1": (2, 8, 1, 1, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
 }
 
 
@@ -81,6 +84,20 @@ def test_odd_layer(name, sparsity, session_cache_dir):
                                      cache_dir=str(session_cache_dir), name=name)
     for batch in (1, 3):
         run_and_check(conv, w, bias, conv.shape, batch, rng)
+
+
+def test_compile_conv2d_with_an_explicit_target(session_cache_dir):
+    """Issue 11 defect 9: target= builds for the named target; the kernel
+    loads and computes on the current device."""
+    from sparseconv.runtime import device_target
+
+    rng = np.random.default_rng(2)
+    w = pruned_weight(rng, (6, 5, 3, 3), 0.8)
+    target = device_target()
+    conv = sparseconv.compile_conv2d(w, input_size=(9, 11), padding=1, target=target,
+                                     cache_dir=str(session_cache_dir), name="explicit_target")
+    assert conv.layer.target == target
+    run_and_check(conv, w, None, conv.shape, 2, rng)
 
 
 def test_all_zero_weights_write_bias_or_zero(session_cache_dir):

@@ -7,7 +7,8 @@ import functools
 import numpy as np
 import pytest
 
-from sparseconv import specialise as spec_mod
+from sparseconv.ptx import Stmt
+from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
 from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
@@ -25,6 +26,9 @@ LAYERS = {
     "dilated_thread_h2": (ConvShape(4, 5, 11, 10, 3, 3, (1, 1), (2, 1), (2, 1)), Tiling(2, 3, 4, 6, 2, 3)),
     "grouped": (ConvShape(6, 9, 6, 7, 3, 3, (1, 1), (1, 1), groups=3), Tiling(2, 1, 6, 7, 1, 1)),
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
+    # issue 11, defect 3: bodies so small that NVVM unrolled the chunk loop (see compile.NVCC_FLAGS)
+    "one_input_channel_1x1": (ConvShape(1, 64, 8, 8, 1, 1), None),
+    "two_input_channels_1x1_on_1x1": (ConvShape(2, 8, 1, 1, 1, 1), None),
 }
 
 
@@ -68,6 +72,25 @@ def test_specialised_ptx_computes_the_convolution(name, sparsity):
     assert stats.fmas_deleted > 0
 
 
+@pytest.mark.parametrize("name", ["one_input_channel_1x1", "two_input_channels_1x1_on_1x1"])
+def test_tiny_layers_keep_their_chunk_loop(name):
+    """Issue 11, defect 3: np.ones((64, 1, 1, 1)) on 8x8 (and 8x2x1x1 on 1x1)
+    raised "expected one loop around all placeholder FMAs, found 0": NVVM had
+    unrolled the small chunk loop 2x. Now the loop stays, and the all-ones
+    layer computes the convolution."""
+    rendered, tptx = template(name)
+    shape = rendered.shape
+    rng = np.random.default_rng(4)
+    w = np.ones(shape.weight_shape, np.float32)
+    x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    ptx, stats = specialise(tptx, rendered, w)
+    assert stats.fmas_deleted == 0 and stats.fmas_kept == w.size * stats.fmas_per_weight
+    y = run_ptx(ptx, rendered, x, bias)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert relative_l2(y, ref) <= 1e-6
+
+
 def test_zero_weight_channels_write_their_bias():
     rng = np.random.default_rng()
     y, ref, _ = check("blocks_and_chunks", 0.9, rng)
@@ -79,7 +102,7 @@ def test_a_renaming_bug_is_caught(monkeypatch):
     """Mutation check: if deleted FMAs forgot to alias their destination to the
     accumulator, the result must change (or the interpreter must refuse to read
     a register nothing wrote)."""
-    monkeypatch.setattr(spec_mod._Renamer, "set_alias", lambda self, d, src, out: self.before_write(d, False, out))
+    monkeypatch.setattr(emit._Renamer, "set_alias", lambda self, d, src, out: self.before_write(d, False, out))
     with pytest.raises((AssertionError, PtxInterpreterError)):
         y, ref, _ = check("blocks_and_chunks", 0.6, np.random.default_rng())
         assert not np.isnan(y).any() and relative_l2(y, ref) <= 1e-5
@@ -88,29 +111,29 @@ def test_a_renaming_bug_is_caught(monkeypatch):
 def test_renamer_materialises_an_alias_before_its_source_changes():
     """d aliases c; then c is overwritten while d is still read later: the
     renamer must copy c into d first, and reads of d must not see the new c."""
-    body = [spec_mod.Stmt("instr", "add.f32 %f2, %f2, %f9", 1, "", "add.f32", "%f2", "%f2, %f9"),
-            spec_mod.Stmt("instr", "st.f32 [%rd1], %f1", 2, "", "st.global.f32", "", "[%rd1], %f1")]
-    live = spec_mod._body_liveness(body, [])
-    ren = spec_mod._Renamer({"%f": "f32"}, live)
+    body = [Stmt("instr", "add.f32 %f2, %f2, %f9", 1, "", "add.f32", "%f2", "%f2, %f9"),
+            Stmt("instr", "st.f32 [%rd1], %f1", 2, "", "st.global.f32", "", "[%rd1], %f1")]
+    live = analysis._body_liveness(body, [])
+    ren = emit._Renamer({"%f": "f32"}, live)
     out = []
     ren.set_alias("%f1", "%f2", out)      # a deleted FMA: %f1 = %f2
     ren.pos = 0                           # %f2 is overwritten, %f1 is read at position 1
-    spec_mod._emit(body[0], ren, out, "", set())
+    emit._emit(body[0], ren, out, "", set())
     ren.pos = 1
-    spec_mod._emit(body[1], ren, out, "", set())
+    emit._emit(body[1], ren, out, "", set())
     assert out == ["\tmov.f32 %f1, %f2;", "\tadd.f32 %f2, %f2, %f9;", "\tst.global.f32 [%rd1], %f1;"]
     # Without a later read no mov is needed.
-    ren2, out2 = spec_mod._Renamer({"%f": "f32"}, spec_mod._body_liveness(body[:1], [])), []
+    ren2, out2 = emit._Renamer({"%f": "f32"}, analysis._body_liveness(body[:1], [])), []
     ren2.set_alias("%f1", "%f2", out2)
     ren2.pos = 0
-    spec_mod._emit(body[0], ren2, out2, "", set())
+    emit._emit(body[0], ren2, out2, "", set())
     assert out2 == ["\tadd.f32 %f2, %f2, %f9;"]
 
 
 def test_a_weight_placement_bug_is_caught(monkeypatch):
     """Mutation check: weights placed in the wrong chunk change the result."""
-    real = spec_mod.arrange_weights
-    monkeypatch.setattr(spec_mod, "arrange_weights", lambda w, s, t: np.roll(real(w, s, t), 1, axis=1))
+    real = emit.arrange_weights
+    monkeypatch.setattr(emit, "arrange_weights", lambda w, s, t: np.roll(real(w, s, t), 1, axis=1))
     y, ref, _ = check("blocks_and_chunks", 0.5, np.random.default_rng())
     assert relative_l2(y, ref) > 1e-3
 
@@ -139,11 +162,11 @@ def test_split_k_blocks_compute_the_same_convolution(name):
 def test_a_piece_that_drops_an_accumulator_is_caught(monkeypatch):
     """Mutation check: if the loop state handed between pieces missed a
     register (here one of them), the result must change."""
-    real = spec_mod._piece_interface
-    monkeypatch.setattr(spec_mod, "_piece_interface",
+    real = analysis._piece_interface
+    monkeypatch.setattr(analysis, "_piece_interface",
                         lambda *a: tuple(tuple(r for r in regs if r != real(*a)[0][-1]) for regs in real(*a)))
     rendered, tptx = template("blocks_and_chunks")
-    layout = spec_mod.analyse_template(tptx, rendered)
+    layout = analysis.analyse_template(tptx, rendered)
     rng = np.random.default_rng(3)
     w = pruned_weight(rng, rendered.shape.weight_shape, 0.5)
     x = rng.standard_normal((1, 5, 9, 13)).astype(np.float32)

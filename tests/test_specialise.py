@@ -247,13 +247,13 @@ def all_special(body_plan, aliasable, liveness):
 def specialise_three_ways(monkeypatch, tptx, rendered, w, piece_lines=None):
     """The PTX as the pass makes it, with every FMA in its general form, and
     with every item handled one by one (the pass without its shortcuts)."""
-    from sparseconv import specialise as spec_mod
+    from sparseconv.specialise import emit
 
     fast = specialise(tptx, rendered, w, piece_lines=piece_lines)
     with monkeypatch.context() as m:
-        m.setattr(spec_mod, "_special_registers", all_special)
+        m.setattr(emit, "_special_registers", all_special)
         general = specialise(tptx, rendered, w, piece_lines=piece_lines)
-        m.setattr(spec_mod, "_copy_plan", one_by_one_plan)
+        m.setattr(emit, "_copy_plan", one_by_one_plan)
         one_by_one = specialise(tptx, rendered, w, piece_lines=piece_lines)
     return fast, general, one_by_one
 
@@ -299,16 +299,18 @@ def test_items_handled_one_by_one_compute_the_convolution(monkeypatch, piece_lin
     """A guarded FMA and a statement that rewrites an FMA register take the
     general path: the same PTX as without shortcuts, the right convolution
     (CPU interpreter) and ptxas accepts it."""
-    from sparseconv import specialise as spec_mod
+    from sparseconv.ptx import Stmt
+    from sparseconv.specialise import emit
+    from sparseconv.specialise.analysis import PlaceholderFma
     from test_numeric_cpu import run_ptx
     from sparseconv.testing import conv2d_reference, relative_l2
 
     rendered, tptx = template("multi_block_multi_chunk")
     tampered = with_items_handled_one_by_one(tptx)
-    layout = spec_mod.analyse_template(tampered, rendered)
-    general = [seg[1] for seg in layout.body_plan if type(seg) is tuple]
-    assert any(isinstance(it, spec_mod._Fma) and it.pred for it in general)
-    assert any(isinstance(it, spec_mod.Stmt) and it.opcode == "mov.f32" for it in general)
+    layout = analyse_template(tampered, rendered)
+    general = [seg[1] for seg in emit.emission_plan(layout).body_plan if type(seg) is tuple]
+    assert any(isinstance(it, PlaceholderFma) and it.pred for it in general)
+    assert any(isinstance(it, Stmt) and it.opcode == "mov.f32" for it in general)
     rng = np.random.default_rng(11)
     shape = rendered.shape
     w = pruned_weight(rng, shape.weight_shape, 0.6, zero_channels=1)

@@ -1,4 +1,4 @@
-"""CPU: the pieces a big k-block function is cut into (sparseconv.specialise).
+"""CPU: the pieces a big k-block function is cut into (sparseconv.specialise.pieces).
 
 The numerics of split layers are checked in test_numeric_cpu.py and ptxas
 acceptance in test_specialise.py; here: how chunks are cut, and the loop
@@ -9,10 +9,11 @@ import types
 import numpy as np
 import pytest
 
-from sparseconv import specialise as spec_mod
+from sparseconv.ptx import Stmt
 from sparseconv.assemble import assemble_cubin
 from sparseconv.shapes import Target
-from sparseconv.specialise import STATE_SYMBOL, _PieceState, plan_pieces, specialise
+from sparseconv.specialise import STATE_SYMBOL, analyse_template, pieces, plan_pieces, specialise
+from sparseconv.specialise.pieces import PieceState
 
 from ptx_interpreter import run_kernel
 
@@ -54,10 +55,10 @@ def test_piece_state_round_trips_registers_and_predicates():
     registers (as 0/1 words), each thread in its own slot of the shared array
     (interpreter, and ptxas + nvlink)."""
     layout = fake_layout(("%p1", "%f1", "%rd2"), ("%p1", "%f1", "%rd2", "%r1"))
-    state = _PieceState(layout, threads=8)
+    state = PieceState(layout, threads=8)
     assert state.bytes == 8 * (8 + 4 + 4 + 4)
     assert state.slot["%rd2"][2] == 0  # 8-byte column first, 8-byte aligned
-    ren = types.SimpleNamespace(alias={"%f1": "%f3"})  # %f1 reads %f3 (a deleted FMA's alias)
+    alias = {"%f1": "%f3"}  # %f1 reads %f3 (a deleted FMA's alias)
     ptx = "\n".join([
         ".version 9.0", ".target sm_90", ".address_size 64",
         f".weak .shared .align 16 .b8 {STATE_SYMBOL}[{state.bytes}];",
@@ -66,7 +67,7 @@ def test_piece_state_round_trips_registers_and_predicates():
         "\tld.param.u64 %rd1, [y];", "\tcvta.to.global.u64 %rd1, %rd1;",
         "\tmov.u32 %r1, %tid.x;", "\tsetp.lt.u32 %p1, %r1, 3;", "\tcvt.rn.f32.u32 %f3, %r1;",
         "\tmul.wide.u32 %rd2, %r1, 4;",
-        *state.store(ren),
+        *state.store(alias),
         "\tsetp.lt.u32 %p1, %r1, 0;", "\tmov.f32 %f1, 0f00000000;", "\tmov.u64 %rd2, 0;",  # clobber
         *state.load(),
         "\tmov.f32 %f2, %f1;",
@@ -88,7 +89,7 @@ def test_k_blocks_stay_whole_when_the_state_does_not_fit(monkeypatch):
     w = np.ones(rendered.shape.weight_shape, np.float32)
     _, split = specialise(tptx, rendered, w, piece_lines=1)
     assert split.pieces > split.kblocks
-    monkeypatch.setattr(spec_mod, "MAX_SHARED_BYTES", 0)
+    monkeypatch.setattr(pieces, "MAX_SHARED_BYTES", 0)
     ptx, whole = specialise(tptx, rendered, w, piece_lines=1)
     assert whole.pieces == whole.kblocks and STATE_SYMBOL not in ptx
 
@@ -100,8 +101,8 @@ def test_k_blocks_stay_whole_when_the_prologue_has_side_effects():
     from test_specialise import template
 
     rendered, tptx = template("multi_block_multi_chunk")
-    layout = spec_mod.analyse_template(tptx, rendered)
-    fake_store = spec_mod.Stmt("instr", "st.global.f32 [%rd1], %f1", 0, "", "st.global.f32", "", "[%rd1], %f1")
+    layout = analyse_template(tptx, rendered)
+    fake_store = Stmt("instr", "st.global.f32 [%rd1], %f1", 0, "", "st.global.f32", "", "[%rd1], %f1")
     layout = dataclasses.replace(layout, prologue=[*layout.prologue, fake_store])
     _, stats = specialise(tptx, rendered, np.ones(rendered.shape.weight_shape, np.float32), layout, piece_lines=1)
     assert stats.pieces == stats.kblocks

@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import __version__
-from ..assemble import device_target
+from ..runtime import device_target
 from ..dense import conv2d_im2col, torch_flags
-from ..kernel import compile_conv2d
+from ..api import compile_conv2d
 from ..operators import benchmark_operators
 from ..parallel import LayerJob, build_many
 from ..shapes import ConvShape

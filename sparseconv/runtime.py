@@ -1,29 +1,79 @@
-"""The user-facing callable: compile_conv2d(...) -> Conv2dKernel; kernel(x) -> y."""
+"""Run time: load a built layer on the GPU and launch it.
+
+Everything here needs CuPy and a CUDA device (imported lazily, so importing
+this module does not); the build side (sparseconv.build) never imports it.
+
+    load_kernel(artifact, suffix, entry)   cubin or PTX -> cupy.RawModule + function
+    Conv2dKernel(layer, bias)              the callable: kernel(x, out=None, stream=None) -> y
+    DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
+
+A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is
+JIT-compiled by the driver only if its .version is one the driver knows; the
+build prefers ptxas, and a PTX artifact is checked against the driver here
+(check_ptx_loadable) with advice when it is too new.
+"""
 from __future__ import annotations
 
-import time
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+import os
+import tempfile
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .assemble import device_target, load_kernel
-from .build import CompiledLayer, build_conv2d
-from .cache import ArtifactCache
-from .shapes import ConvShape, IntPair, Tiling, default_tiling, shape_from_weight
+from .build import CompiledLayer
+from .dense import dense_conv2d
+from .ptx import ptx_version
+from .shapes import Target
 
 MAX_GRID_Z = 65535  # gridDim.z limit: bigger batches are launched in slices
 
 
-def _host_array(a: Any, what: str) -> np.ndarray:
-    """NumPy copy of a weight/bias given as NumPy, CuPy or torch."""
-    if hasattr(a, "detach"):            # torch.Tensor
-        a = a.detach().cpu().numpy()
-    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):  # cupy.ndarray
-        a = a.get()
-    arr = np.asarray(a)
-    if arr.dtype.kind != "f":
-        raise TypeError(f"{what} must be a floating-point array, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+class DriverTooOldError(RuntimeError):
+    pass
+
+
+def max_ptx_version(driver_version: int) -> Tuple[int, int]:
+    """Newest PTX ISA a driver can JIT, from cudaDriverGetVersion (e.g. 13000).
+    CUDA 11.x -> 7.x, 12.x -> 8.x, 13.x -> 9.x (PTX major = CUDA major - 4)."""
+    major, minor = driver_version // 1000, (driver_version % 1000) // 10
+    return (major - 4, minor)
+
+
+def check_ptx_loadable(ptx: str, driver_version: int) -> None:
+    have = ptx_version(ptx)
+    limit = max_ptx_version(driver_version)
+    if have > limit:
+        raise DriverTooOldError(
+            f"the PTX is .version {have[0]}.{have[1]} but this driver (CUDA {driver_version // 1000}."
+            f"{(driver_version % 1000) // 10}) JIT-compiles at most PTX {limit[0]}.{limit[1]}. Put a ptxas "
+            f"on PATH (SPARSECONV_PTXAS) so a cubin is built instead, use an nvcc no newer than the driver, "
+            f"or upgrade the driver.")
+
+
+def device_target(device_id: Optional[int] = None) -> Target:
+    """The Target of a CUDA device (the current one by default)."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    return Target(f"sm_{dev.compute_capability}")
+
+
+def load_kernel(artifact: bytes, suffix: str, entry: str) -> Tuple[Any, Any]:
+    """Load cubin (suffix '.cubin') or PTX ('.ptx') bytes with cupy.RawModule on
+    the current device; returns (module, kernel function). get_function forces
+    the load while the temporary file still exists (RawModule may be lazy)."""
+    import cupy
+
+    if suffix == ".ptx":
+        check_ptx_loadable(artifact.decode(), cupy.cuda.runtime.driverGetVersion())
+    fd, path = tempfile.mkstemp(prefix="sparseconv-", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(artifact)
+        module = cupy.RawModule(path=path)
+        return module, module.get_function(entry)
+    finally:
+        os.unlink(path)
 
 
 def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
@@ -155,8 +205,6 @@ class DenseConv2dKernel(Conv2dKernel):
     backend = "dense"
 
     def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray], weight: np.ndarray) -> None:
-        from .dense import dense_conv2d
-
         super().__init__(layer, bias)
         dense = dense_conv2d(weight, bias, layer.shape)
         if dense is None:
@@ -165,80 +213,3 @@ class DenseConv2dKernel(Conv2dKernel):
 
     def _launch(self, x: Any, out: Any) -> None:
         self._dense(x, out)
-
-
-def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
-                   padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
-                   tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
-                   tune_batch: int = 64, cache_dir: Union[str, None] = None,
-                   name: str = "conv") -> Conv2dKernel:
-    """Compile a pruned conv layer into a kernel specialised to its weights.
-
-    weight: (K, C/groups, R, S) floats (NumPy, CuPy or torch), zeros where pruned.
-    input_size: (H, W) of the input images. bias: (K,) or None. stride, padding,
-    dilation: int or pair, as torch.nn.functional.conv2d. The batch size is free
-    at call time. Builds for the current CUDA device; artifacts are cached in
-    cache_dir (default: $SPARSECONV_CACHE_DIR or ptx_cache/).
-
-    tiling: None (the default heuristic), a Tiling, or "auto": time a bounded
-    set of candidate tilings at batch `tune_batch` and keep the fastest.
-    backend: "sparseconv", or "auto" (opt-in): also time cuDNN strict fp32
-    (needs torch) and return a DenseConv2dKernel where it was faster. Tuning
-    results are cached, so a second compile does not tune again;
-    kernel.stats["tuning"] holds the times and the choice."""
-    if backend not in ("sparseconv", "auto"):
-        raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
-    if isinstance(tiling, str) and tiling != "auto":
-        raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
-    if not isinstance(tune_batch, int) or tune_batch < 1:
-        raise ValueError(f"{name}: tune_batch must be a positive int, got {tune_batch!r}")
-    w = _host_array(weight, f"{name}: weight")
-    shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
-    b = None
-    if bias is not None:
-        b = _host_array(bias, f"{name}: bias")
-        if b.shape != (shape.out_channels,):
-            raise ValueError(f"{name}: bias must have shape ({shape.out_channels},), got {b.shape}")
-    cache, target = ArtifactCache(cache_dir), device_target()
-    tuning = None
-    if tiling == "auto" or backend == "auto":
-        from .tune import DENSE, tune_conv2d
-
-        candidates = None if tiling == "auto" else [tiling or default_tiling(shape)]
-        layer, tuning = tune_conv2d(w, shape, b, target=target, cache=cache, name=name, batch=tune_batch,
-                                    tilings=candidates, consider_dense=backend == "auto")
-    else:
-        layer = build_conv2d(w, shape, tiling=tiling, target=target, cache=cache, name=name)
-    t = time.perf_counter()
-    kernel = DenseConv2dKernel(layer, b, w) if tuning and tuning.backend == DENSE else Conv2dKernel(layer, b)
-    kernel.stats["seconds"] = dict(kernel.stats["seconds"], load=time.perf_counter() - t)
-    if tuning is not None:
-        kernel.stats["tuning"] = tuning.as_dict()
-    return kernel
-
-
-def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray], ConvShape]], *,
-                   tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
-                   cache_dir: Optional[str] = None, jobs: Optional[int] = None,
-                   progress: bool = False) -> Dict[str, Conv2dKernel]:
-    """Compile and load many (name, weight, bias, shape) layers on the current
-    GPU; name -> kernel. Without tuning they build in parallel (a process pool);
-    with tiling="auto" or backend="auto" each layer's candidates build in
-    parallel, one layer after another, then are timed."""
-    from .parallel import LayerJob, build_many
-
-    kernels: Dict[str, Conv2dKernel] = {}
-    if tiling == "auto" or backend == "auto":
-        for name, w, b, shape in layers:
-            kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b, stride=shape.stride,
-                                           padding=shape.padding, dilation=shape.dilation, groups=shape.groups,
-                                           tiling=tiling, backend=backend, tune_batch=tune_batch,
-                                           cache_dir=cache_dir, name=name)
-        return kernels
-    built = build_many([LayerJob(name, w, shape) for name, w, _, shape in layers], target=device_target(),
-                       cache_dir=cache_dir, workers=jobs, progress=progress)
-    for name, _, b, _ in layers:
-        t = time.perf_counter()
-        kernels[name] = Conv2dKernel(built[name], b)
-        kernels[name].stats["seconds"] = dict(kernels[name].stats["seconds"], load=time.perf_counter() - t)
-    return kernels

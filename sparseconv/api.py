@@ -1,0 +1,110 @@
+"""The user-facing API: compile_conv2d(...) -> a loaded kernel, compile_layers(...).
+
+It chains the build (sparseconv.build, CPU), the autotuner (sparseconv.tune,
+GPU timing) and loading (sparseconv.runtime). Building alone needs no GPU:
+build_conv2d(..., target=Target("sm_90")), or compile_conv2d(..., target=...),
+which asks the GPU only to load the kernel.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .build import build_conv2d
+from .cache import ArtifactCache
+from .parallel import LayerJob, build_many
+from .runtime import Conv2dKernel, DenseConv2dKernel, device_target
+from .shapes import ConvShape, IntPair, Target, Tiling, default_tiling, shape_from_weight
+from .tune import DENSE, tune_conv2d
+
+
+def _host_array(a: Any, what: str) -> np.ndarray:
+    """NumPy copy of a weight/bias given as NumPy, CuPy or torch."""
+    if hasattr(a, "detach"):            # torch.Tensor
+        a = a.detach().cpu().numpy()
+    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):  # cupy.ndarray
+        a = a.get()
+    arr = np.asarray(a)
+    if arr.dtype.kind != "f":
+        raise TypeError(f"{what} must be a floating-point array, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
+                   padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
+                   tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
+                   tune_batch: int = 64, cache_dir: Union[str, None] = None,
+                   name: str = "conv", target: Optional[Target] = None) -> Conv2dKernel:
+    """Compile a pruned conv layer into a kernel specialised to its weights.
+
+    weight: (K, C/groups, R, S) floats (NumPy, CuPy or torch), zeros where pruned.
+    input_size: (H, W) of the input images. bias: (K,) or None. stride, padding,
+    dilation: int or pair, as torch.nn.functional.conv2d. The batch size is free
+    at call time. Builds for `target` (default: the current CUDA device's) and
+    loads on the current device; artifacts are cached in cache_dir (default:
+    $SPARSECONV_CACHE_DIR or ptx_cache/). To build without a GPU, use
+    sparseconv.build_conv2d(weight, shape, target=Target("sm_90")).
+
+    tiling: None (the default heuristic), a Tiling, or "auto": time a bounded
+    set of candidate tilings at batch `tune_batch` and keep the fastest.
+    backend: "sparseconv", or "auto" (opt-in): also time cuDNN strict fp32
+    (needs torch) and return a DenseConv2dKernel where it was faster. Tuning
+    results are cached, so a second compile does not tune again;
+    kernel.stats["tuning"] holds the times and the choice."""
+    if backend not in ("sparseconv", "auto"):
+        raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
+    if isinstance(tiling, str) and tiling != "auto":
+        raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
+    if not isinstance(tune_batch, int) or tune_batch < 1:
+        raise ValueError(f"{name}: tune_batch must be a positive int, got {tune_batch!r}")
+    if target is not None and not isinstance(target, Target):
+        raise TypeError(f"{name}: target must be a sparseconv.Target, got {type(target).__name__}")
+    w = _host_array(weight, f"{name}: weight")
+    shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
+    b = None
+    if bias is not None:
+        b = _host_array(bias, f"{name}: bias")
+        if b.shape != (shape.out_channels,):
+            raise ValueError(f"{name}: bias must have shape ({shape.out_channels},), got {b.shape}")
+    cache = ArtifactCache(cache_dir)
+    target = target or device_target()
+    tuning = None
+    if tiling == "auto" or backend == "auto":
+        candidates = None if tiling == "auto" else [tiling or default_tiling(shape)]
+        layer, tuning = tune_conv2d(w, shape, b, target=target, cache=cache, name=name, batch=tune_batch,
+                                    tilings=candidates, consider_dense=backend == "auto")
+    else:
+        layer = build_conv2d(w, shape, tiling=tiling, target=target, cache=cache, name=name)
+    t = time.perf_counter()
+    kernel = DenseConv2dKernel(layer, b, w) if tuning and tuning.backend == DENSE else Conv2dKernel(layer, b)
+    kernel.stats["seconds"] = dict(kernel.stats["seconds"], load=time.perf_counter() - t)
+    if tuning is not None:
+        kernel.stats["tuning"] = tuning.as_dict()
+    return kernel
+
+
+def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray], ConvShape]], *,
+                   tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
+                   cache_dir: Optional[str] = None, jobs: Optional[int] = None,
+                   progress: bool = False) -> Dict[str, Conv2dKernel]:
+    """Compile and load many (name, weight, bias, shape) layers on the current
+    GPU; name -> kernel. Without tuning they build in parallel (a process pool);
+    with tiling="auto" or backend="auto" each layer's candidates build in
+    parallel, one layer after another, then are timed."""
+    kernels: Dict[str, Conv2dKernel] = {}
+    if tiling == "auto" or backend == "auto":
+        for name, w, b, shape in layers:
+            kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b, stride=shape.stride,
+                                           padding=shape.padding, dilation=shape.dilation, groups=shape.groups,
+                                           tiling=tiling, backend=backend, tune_batch=tune_batch,
+                                           cache_dir=cache_dir, name=name)
+        return kernels
+    built = build_many([LayerJob(name, w, shape) for name, w, _, shape in layers], target=device_target(),
+                       cache_dir=cache_dir, workers=jobs, progress=progress)
+    for name, _, b, _ in layers:
+        t = time.perf_counter()
+        kernels[name] = Conv2dKernel(built[name], b)
+        kernels[name].stats["seconds"] = dict(kernels[name].stats["seconds"], load=time.perf_counter() - t)
+    return kernels

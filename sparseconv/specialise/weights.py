@@ -1,0 +1,21 @@
+"""The layer's weights in the order the template body holds its placeholders."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..shapes import ConvShape, Tiling, n_chunks, n_kblocks
+
+
+def arrange_weights(weight: np.ndarray, shape: ConvShape, tiling: Tiling) -> np.ndarray:
+    """(K, C/groups, R, S) -> (kblocks, chunks, body) in placeholder body order.
+    Channels past K or C of a group (padding up to whole blocks) get weight 0."""
+    g, kpg, cpg = shape.groups, shape.k_per_group, shape.c_per_group
+    kb, cb = tiling.k_block, tiling.c_block
+    kbpg = n_kblocks(shape, tiling) // g
+    nch = n_chunks(shape, tiling)
+    r, s = shape.kernel_h, shape.kernel_w
+    w = np.asarray(weight, dtype=np.float32).reshape(g, kpg, cpg, r, s)
+    padded = np.zeros((g, kbpg * kb, nch * cb, r, s), dtype=np.float32)
+    padded[:, :kpg, :cpg] = w
+    padded = padded.reshape(g, kbpg, kb, nch, cb, r, s).transpose(0, 1, 3, 2, 4, 5, 6)
+    return np.ascontiguousarray(padded.reshape(g * kbpg, nch, kb * cb * r * s))
