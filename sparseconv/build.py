@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -17,7 +17,8 @@ from .assemble import PTXAS_FLAGS, assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
-from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
+from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, n_chunks, n_kblocks,
+                     patch_buffer_bytes)
 from .specialise import analyse_template, specialise
 
 # Bump when the specialiser's output for the same input changes.
@@ -37,10 +38,23 @@ class CompiledLayer:
     artifact_suffix: str       # '.cubin' or '.ptx'
     ptx_sha256: str            # content hash naming the cached specialised PTX
     stats: Dict[str, object] = field(hash=False, compare=False)
+    epilogue: Epilogue = Epilogue()
 
     @property
     def grid_tiles(self) -> int:
         return -(-self.shape.out_h // self.tiling.tile_h) * -(-self.shape.out_w // self.tiling.tile_w)
+
+    def grid(self, batch: int) -> Tuple[int, int, int]:
+        """The launch grid for `batch` images (shapes.launch_grid)."""
+        return launch_grid(self.shape, self.tiling, batch)
+
+    @property
+    def max_batch_per_launch(self) -> int:
+        """Images one launch may take: gridDim.z for the direct family; for the
+        pointwise family, the batch's pixels must index as a 32-bit int."""
+        if self.tiling.family == "pointwise":
+            return max(1, (2**31 - 1) // (self.shape.out_h * self.shape.out_w))
+        return 65535
 
     @property
     def kblocks(self) -> int:
@@ -61,8 +75,9 @@ def template_cache_key(source: str, target: Target) -> str:
 
 def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
                  target: Optional[Target] = None, cache: Optional[ArtifactCache] = None,
-                 name: str = "conv") -> CompiledLayer:
-    """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage."""
+                 name: str = "conv", epilogue: Epilogue = Epilogue()) -> CompiledLayer:
+    """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage.
+    `epilogue` is applied at the store (residual add, activation)."""
     tiling = tiling or default_tiling(shape)
     target = target or Target()
     cache = cache or ArtifactCache()
@@ -73,7 +88,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     what = f"layer {name} ({shape.describe()})"
 
     t = time.perf_counter()
-    rendered = render(shape, tiling)
+    rendered = render(shape, tiling, epilogue)
     seconds["render"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -98,7 +113,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
             stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
                          template_cache_hit=template_hit, kernel_cache_hit=True)
             return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix,
-                                 index["ptx_sha256"], stats)
+                                 index["ptx_sha256"], stats, epilogue)
 
     t = time.perf_counter()
     layout = analyse_template(template_ptx, rendered)
@@ -110,11 +125,12 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
-    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), target=target.arch,
+    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),
+                                    target=target.arch,
                                     artifact_bytes=len(artifact), template_key=tkey, kernel_key=kkey)
     cache.put_text("kernel", ptx_sha, ".ptx", ptx)
     if use_ptxas:
         cache.put("kernel", ptx_sha, ".cubin", artifact)
     cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats})  # index last
     stats = dict(stats, seconds=seconds, template_cache_hit=template_hit, kernel_cache_hit=False)
-    return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats)
+    return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats, epilogue)
