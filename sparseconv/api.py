@@ -8,6 +8,7 @@ which asks the GPU only to load the kernel.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -16,7 +17,8 @@ from .build import build_conv2d
 from .cache import ArtifactCache
 from .parallel import LayerJob, build_many
 from .runtime import Conv2dKernel, DenseConv2dKernel, device_target
-from .shapes import ConvShape, IntPair, Target, Tiling, default_tiling, shape_from_weight
+from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
+                     shape_from_weight)
 from .tune import DENSE, tune_conv2d
 
 
@@ -34,6 +36,7 @@ def _host_array(a: Any, what: str) -> np.ndarray:
 
 def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
                    padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
+                   activation: str = "none", clip: Optional[Tuple[float, float]] = None, residual: bool = False,
                    tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
                    tune_batch: int = 64, cache_dir: Union[str, None] = None,
                    name: str = "conv", target: Optional[Target] = None) -> Conv2dKernel:
@@ -47,6 +50,15 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     $SPARSECONV_CACHE_DIR or ptx_cache/). To build without a GPU, use
     sparseconv.build_conv2d(weight, shape, target=Target("sm_90")).
 
+    The epilogue is fused into the store: y = act(conv(x) + bias + residual),
+    with activation "none", "relu", "relu6" or "clip" (clip=(lo, hi)), and
+    residual=True for a kernel called as kernel(x, residual=r).
+
+    With the default tiling, a layer that gives too few blocks at small
+    batches to fill the GPU also gets a variant with the input-channel
+    reduction split over blocks (deterministic), used up to a batch size
+    (kernel.stats["variants"]; shapes.batch_variants).
+
     tiling: None (the default heuristic), a Tiling, or "auto": time a bounded
     set of candidate tilings at batch `tune_batch` and keep the fastest.
     backend: "sparseconv", or "auto" (opt-in): also time cuDNN strict fp32
@@ -55,6 +67,10 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     kernel.stats["tuning"] holds the times and the choice."""
     if backend not in ("sparseconv", "auto"):
         raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
+    try:
+        epilogue = Epilogue(activation, clip, residual)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
     if isinstance(tiling, str) and tiling != "auto":
         raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
     if not isinstance(tune_batch, int) or tune_batch < 1:
@@ -74,11 +90,15 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     if tiling == "auto" or backend == "auto":
         candidates = None if tiling == "auto" else [tiling or default_tiling(shape)]
         layer, tuning = tune_conv2d(w, shape, b, target=target, cache=cache, name=name, batch=tune_batch,
-                                    tilings=candidates, consider_dense=backend == "auto")
+                                    tilings=candidates, consider_dense=backend == "auto", epilogue=epilogue)
+        variants = [(ANY_BATCH, layer)]
     else:
-        layer = build_conv2d(w, shape, tiling=tiling, target=target, cache=cache, name=name)
+        chosen = [(ANY_BATCH, tiling)] if isinstance(tiling, Tiling) else batch_variants(shape, default_tiling(shape))
+        variants = [(up_to, build_conv2d(w, shape, tiling=t, target=target, cache=cache, name=name,
+                                         epilogue=epilogue)) for up_to, t in chosen]
     t = time.perf_counter()
-    kernel = DenseConv2dKernel(layer, b, w) if tuning and tuning.backend == DENSE else Conv2dKernel(layer, b)
+    kernel = DenseConv2dKernel(variants[-1][1], b, w) if tuning and tuning.backend == DENSE \
+        else Conv2dKernel(variants, b)
     kernel.stats["seconds"] = dict(kernel.stats["seconds"], load=time.perf_counter() - t)
     if tuning is not None:
         kernel.stats["tuning"] = tuning.as_dict()
@@ -88,23 +108,35 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
 def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray], ConvShape]], *,
                    tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
                    cache_dir: Optional[str] = None, jobs: Optional[int] = None,
-                   progress: bool = False) -> Dict[str, Conv2dKernel]:
+                   progress: bool = False,
+                   epilogues: Optional[Dict[str, Epilogue]] = None) -> Dict[str, Conv2dKernel]:
     """Compile and load many (name, weight, bias, shape) layers on the current
-    GPU; name -> kernel. Without tuning they build in parallel (a process pool);
-    with tiling="auto" or backend="auto" each layer's candidates build in
-    parallel, one layer after another, then are timed."""
+    GPU; name -> kernel. Without tuning they build in parallel (a process pool),
+    every batch variant of every layer (shapes.batch_variants); with
+    tiling="auto" or backend="auto" each layer's candidates build in parallel,
+    one layer after another, then are timed. `epilogues`: name -> the
+    epilogue fused into that layer (default: bias only)."""
+    epilogues = epilogues or {}
     kernels: Dict[str, Conv2dKernel] = {}
     if tiling == "auto" or backend == "auto":
         for name, w, b, shape in layers:
+            ep = epilogues.get(name, Epilogue())
             kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b, stride=shape.stride,
                                            padding=shape.padding, dilation=shape.dilation, groups=shape.groups,
+                                           activation=ep.activation, clip=ep.clip, residual=ep.residual,
                                            tiling=tiling, backend=backend, tune_batch=tune_batch,
                                            cache_dir=cache_dir, name=name)
         return kernels
-    built = build_many([LayerJob(name, w, shape) for name, w, _, shape in layers], target=device_target(),
+    # Every variant of every layer in one pool; the any-batch variant keeps the layer's name.
+    jobs_by_layer = {name: [(up_to, LayerJob(name if up_to == ANY_BATCH else f"{name}#split", w, shape, t,
+                                             epilogues.get(name, Epilogue())))
+                            for up_to, t in batch_variants(shape, default_tiling(shape))]
+                     for name, w, _, shape in layers}
+    built = build_many([job for variants in jobs_by_layer.values() for _, job in variants], target=device_target(),
                        cache_dir=cache_dir, workers=jobs, progress=progress)
     for name, _, b, _ in layers:
         t = time.perf_counter()
-        kernels[name] = Conv2dKernel(built[name], b)
+        kernels[name] = Conv2dKernel([(up_to, replace(built[job.name], name=name))
+                                      for up_to, job in jobs_by_layer[name]], b)
         kernels[name].stats["seconds"] = dict(kernels[name].stats["seconds"], load=time.perf_counter() - t)
     return kernels

@@ -19,7 +19,8 @@ from .assemble import PTXAS_FLAGS, assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
-from .shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
+from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, n_chunks, n_kblocks,
+                     patch_buffer_bytes)
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key
@@ -60,10 +61,23 @@ class CompiledLayer:
     artifact_suffix: str       # '.cubin' or '.ptx'
     ptx_sha256: str            # content hash naming the cached specialised PTX
     stats: Dict[str, object] = field(hash=False, compare=False)
+    epilogue: Epilogue = Epilogue()
 
     @property
     def grid_tiles(self) -> int:
         return -(-self.shape.out_h // self.tiling.tile_h) * -(-self.shape.out_w // self.tiling.tile_w)
+
+    def grid(self, batch: int) -> Tuple[int, int, int]:
+        """The launch grid for `batch` images (shapes.launch_grid)."""
+        return launch_grid(self.shape, self.tiling, batch)
+
+    @property
+    def max_batch_per_launch(self) -> int:
+        """Images one launch may take: gridDim.z for the direct family; for the
+        pointwise family, the batch's pixels must index as a 32-bit int."""
+        if self.tiling.family == "pointwise":
+            return max(1, (2**31 - 1) // (self.shape.out_h * self.shape.out_w))
+        return 65535
 
     @property
     def kblocks(self) -> int:
@@ -100,8 +114,9 @@ def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str) -> Optional
 
 def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
                  target: Optional[Target] = None, cache: Optional[ArtifactCache] = None,
-                 name: str = "conv") -> CompiledLayer:
-    """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage."""
+                 name: str = "conv", epilogue: Epilogue = Epilogue()) -> CompiledLayer:
+    """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage.
+    `epilogue` is applied at the store (residual add, activation)."""
     tiling = tiling or default_tiling(shape)
     target = target or Target()
     cache = cache or ArtifactCache()
@@ -112,7 +127,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     what = f"layer {name} ({shape.describe()})"
 
     t = time.perf_counter()
-    rendered = render(shape, tiling)
+    rendered = render(shape, tiling, epilogue)
     seconds["render"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -136,7 +151,8 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     if warm is not None:
         stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
                      template_cache_hit=template_hit, kernel_cache_hit=True)
-        return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, warm, suffix, index["ptx_sha256"], stats)
+        return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, warm, suffix, index["ptx_sha256"], stats,
+                             epilogue)
 
     t = time.perf_counter()
     layout = analyse_template(template_ptx, rendered)
@@ -148,7 +164,8 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
-    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), target=target.arch,
+    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),
+                                    target=target.arch,
                                     artifact_bytes=len(artifact), template_key=tkey, kernel_key=kkey)
     cache.put_text("kernel", ptx_sha, ".ptx", ptx)
     if use_ptxas:
@@ -157,4 +174,4 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     refs = [["kernel", ptx_sha, ".ptx"]] + ([["kernel", ptx_sha, ".cubin"]] if use_ptxas else [])
     cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats, "refs": refs})
     stats = dict(stats, seconds=seconds, template_cache_hit=template_hit, kernel_cache_hit=False)
-    return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats)
+    return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats, epilogue)

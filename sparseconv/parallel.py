@@ -14,7 +14,7 @@ import numpy as np
 
 from .build import CompiledLayer, build_conv2d
 from .cache import ArtifactCache
-from .shapes import ConvShape, Target, Tiling
+from .shapes import ConvShape, Epilogue, Target, Tiling
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,12 @@ class LayerJob:
     weight: np.ndarray
     shape: ConvShape
     tiling: Optional[Tiling] = None
+    epilogue: Epilogue = Epilogue()
 
 
 def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
     return build_conv2d(job.weight, job.shape, tiling=job.tiling, target=target,
-                        cache=ArtifactCache(cache_root), name=job.name)
+                        cache=ArtifactCache(cache_root), name=job.name, epilogue=job.epilogue)
 
 
 def _naming_layer(exc: BaseException, name: str) -> BaseException:

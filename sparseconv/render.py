@@ -14,9 +14,10 @@ from typing import Dict, Tuple
 
 import jinja2
 
-from .shapes import ConvShape, Tiling, check_tiling, n_kblocks, patch_size, stage_steps
+from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, n_chunks, n_kblocks, padded_channels, patch_size,
+                     stage_steps)
 
-TEMPLATE_NAME = "conv2d_direct.cu.j2"
+TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
 ENTRY_NAME = "sc_conv2d"
 KBLOCK_FUNC = "sc_kblock"
 
@@ -43,6 +44,32 @@ def placeholder_value(index: int) -> float:
     return struct.unpack("<f", struct.pack("<I", placeholder_bits(index)))[0]
 
 
+def template_name(family: str) -> str:
+    """The template file of a kernel family."""
+    return f"conv2d_{family}.cu.j2"
+
+
+def f32_literal(value: float) -> str:
+    """A float32 constant as CUDA C, exact to the bit."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return f"__int_as_float(0x{bits:08X})"
+
+
+def epilogue_code(epilogue: Epilogue, indent: str = " " * 12) -> str:
+    """CUDA C applied to each output `v` (bias included) at offset `at`, before
+    the store: the residual add, then the activation as a clamp. A NaN stays
+    NaN, as in torch (comparisons with NaN are false)."""
+    lines = []
+    if epilogue.residual:
+        lines.append("v += residual[at];")
+    lo, hi = epilogue.bounds
+    if lo is not None:
+        lines.append(f"v = v < {f32_literal(lo)} ? {f32_literal(lo)} : v;")
+    if hi is not None:
+        lines.append(f"v = v > {f32_literal(hi)} ? {f32_literal(hi)} : v;")
+    return "\n".join(indent + line for line in lines) or indent + "// (none)"
+
+
 @dataclass(frozen=True)
 class RenderedTemplate:
     source: str
@@ -50,6 +77,7 @@ class RenderedTemplate:
     tiling: Tiling
     # placeholder bit pattern -> (kb, cb, r, s) inside the body
     placeholders: Dict[int, Tuple[int, int, int, int]]
+    epilogue: Epilogue = Epilogue()
 
     @property
     def source_sha256(self) -> str:
@@ -71,7 +99,7 @@ def body_index(shape: ConvShape, tiling: Tiling, kb: int, cb: int, r: int, s: in
     return ((kb * tiling.c_block + cb) * shape.kernel_h + r) * shape.kernel_w + s
 
 
-def render(shape: ConvShape, tiling: Tiling) -> RenderedTemplate:
+def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) -> RenderedTemplate:
     check_tiling(shape, tiling)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
@@ -82,27 +110,34 @@ def render(shape: ConvShape, tiling: Tiling) -> RenderedTemplate:
         placeholders[bits] = (kb, cb, r, s)
         return f"0x{bits:08X}"
 
-    ph, pw = patch_size(shape, tiling)
-    tiles_w = -(-shape.out_w // tiling.tile_w)
-    source = env.get_template(TEMPLATE_NAME).render(
-        template_name=TEMPLATE_NAME, entry_name=ENTRY_NAME,
+    name = template_name(tiling.family)
+    family_vars = {}
+    if tiling.family == "direct":
+        ph, pw = patch_size(shape, tiling)
+        family_vars = dict(
+            BH=tiling.thread_h, BW=tiling.thread_w, TH=tiling.tile_h, TW=tiling.tile_w,
+            TILES_W=-(-shape.out_w // tiling.tile_w), THREADS_X=tiling.threads_x,
+            R=shape.kernel_h, S=shape.kernel_w,
+            PATCH_H=ph, PATCH_W=pw, STAGE_STEPS=stage_steps(shape, tiling),
+            ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1)
+    else:
+        family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling))
+    source = env.get_template(name).render(
+        template_name=name, entry_name=ENTRY_NAME,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),
+        epilogue_comment=epilogue.describe(), epilogue_code=epilogue_code(epilogue),
+        SLICES=tiling.slices, CHUNKS_PER_SLICE=n_chunks(shape, tiling),
         K=shape.out_channels, C=shape.in_channels,
         K_PER_GROUP=shape.k_per_group, C_PER_GROUP=shape.c_per_group,
-        KBLOCKS_PER_GROUP=n_kblocks(shape, tiling) // shape.groups,
+        KBLOCKS_PER_GROUP=n_kblocks(shape, tiling) // (shape.groups * tiling.slices),
         H=shape.in_h, W=shape.in_w, HO=shape.out_h, WO=shape.out_w,
-        R=shape.kernel_h, S=shape.kernel_w,
         STRIDE_H=shape.stride[0], STRIDE_W=shape.stride[1],
         PAD_H=shape.padding[0], PAD_W=shape.padding[1],
         DIL_H=shape.dilation[0], DIL_W=shape.dilation[1],
-        KB=tiling.k_block, CB=tiling.c_block, BH=tiling.thread_h, BW=tiling.thread_w,
-        TH=tiling.tile_h, TW=tiling.tile_w, TILES_W=tiles_w,
-        THREADS_X=tiling.threads_x, THREADS=tiling.threads,
-        PATCH_H=ph, PATCH_W=pw, STAGE_STEPS=stage_steps(shape, tiling),
-        ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1,
-        placeholder=placeholder,
+        KB=tiling.k_block, CB=tiling.c_block, THREADS=tiling.threads,
+        placeholder=placeholder, **family_vars,
     )
     expected = tiling.k_block * tiling.c_block * shape.kernel_h * shape.kernel_w
     if len(placeholders) != expected:
         raise AssertionError(f"template rendered {len(placeholders)} placeholders, expected {expected}")
-    return RenderedTemplate(source, shape, tiling, placeholders)
+    return RenderedTemplate(source, shape, tiling, placeholders, epilogue)

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .build import CompiledLayer
 from .dense import dense_conv2d
 from .ptx import ptx_version
-from .shapes import Target
+from .shapes import ANY_BATCH, Target
 
-MAX_GRID_Z = 65535  # gridDim.z limit: bigger batches are launched in slices
 
 
 class DriverTooOldError(RuntimeError):
@@ -92,26 +91,77 @@ def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
     return cupy.cuda.ExternalStream(ptr, device_id)
 
 
+# Adds the partial sums of a split reduction (Tiling.slices) in slice order,
+# so results are the same run to run, then applies the epilogue. Plain fp32,
+# compiled once per process by NVRTC (no weights in it).
+_REDUCE_SOURCE = r"""
+extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float* __restrict__ y,
+        const float* __restrict__ residual, long long total, int slices, int has_residual,
+        int has_lo, float lo, int has_hi, float hi)
+{
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = ws[i];
+        for (int s = 1; s < slices; ++s) v += ws[s * total + i];
+        if (has_residual) v += residual[i];
+        if (has_lo) v = v < lo ? lo : v;
+        if (has_hi) v = v > hi ? hi : v;
+        y[i] = v;
+    }
+}
+"""
+_reduce_kernels: Dict[int, Any] = {}
+
+
+def _reduce_kernel(device_id: int) -> Any:
+    import cupy
+
+    if device_id not in _reduce_kernels:
+        _reduce_kernels[device_id] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices")
+    return _reduce_kernels[device_id]
+
+
 class Conv2dKernel:
     """A pruned conv layer compiled to a specialised kernel on one GPU.
 
-    kernel(x, out=None, stream=None) -> y, with x an (N, C, H, W) float32
-    C-contiguous CUDA array (CuPy, or anything with __cuda_array_interface__ /
-    DLPack such as a torch tensor) and y a CuPy (N, K, Ho, Wo) array. The launch
-    is asynchronous on `stream` (default: CuPy's current stream)."""
+    kernel(x, out=None, stream=None, residual=None) -> y, with x an (N, C, H, W)
+    float32 C-contiguous CUDA array (CuPy, or anything with
+    __cuda_array_interface__ / DLPack such as a torch tensor) and y a CuPy
+    (N, K, Ho, Wo) array: y = act(conv(x) + bias + residual), the epilogue
+    the layer was compiled with. The launch is asynchronous on `stream`
+    (default: CuPy's current stream).
+
+    A kernel may hold several compiled variants of the layer, each for batches
+    up to a size (e.g. the reduction split over blocks for batch 1, where one
+    image gives too few blocks to fill the GPU, unsplit for larger batches);
+    the call picks by the batch size."""
 
     backend = "sparseconv"
 
-    def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray]) -> None:
+    def __init__(self, layer: Union[CompiledLayer, Sequence[Tuple[int, CompiledLayer]]],
+                 bias: Optional[np.ndarray]) -> None:
         import cupy
 
-        self.layer = layer
-        self.shape = layer.shape
+        variants = [(ANY_BATCH, layer)] if isinstance(layer, CompiledLayer) else sorted(layer, key=lambda v: v[0])
+        if not variants or variants[-1][0] < ANY_BATCH:
+            raise ValueError("the last variant must serve any batch size (ANY_BATCH)")
+        self.layer = variants[-1][1]
+        self.shape = self.layer.shape
+        self.epilogue = self.layer.epilogue
+        if any(v.shape != self.shape or v.epilogue != self.epilogue for _, v in variants):
+            raise ValueError("variants of a kernel must share the layer shape and epilogue")
         self.device_id = cupy.cuda.Device().id
-        self._module, self._function = load_kernel(layer.artifact, layer.artifact_suffix, layer.entry)
-        k = layer.shape.out_channels
+        # (up_to_batch, layer, function); the module is kept alive beside its function
+        loaded = [(up_to, v, load_kernel(v.artifact, v.artifact_suffix, v.entry)) for up_to, v in variants]
+        self._variants = [(up_to, v, fn) for up_to, v, (_, fn) in loaded]
+        self._modules = [mod for _, _, (mod, _) in loaded]
+        k = self.shape.out_channels
         self._bias = cupy.asarray(bias if bias is not None else np.zeros(k, np.float32), dtype=cupy.float32)
-        self.stats = dict(layer.stats)
+        self._workspace: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> partial sums of the slices
+        self.stats = dict(self.layer.stats)
+        if len(variants) > 1:
+            self.stats["variants"] = [{"up_to_batch": None if up_to == ANY_BATCH else up_to,
+                                       "tiling": v.tiling.describe()} for up_to, v in variants]
 
     @property
     def out_channels(self) -> int:
@@ -166,29 +216,83 @@ class Conv2dKernel:
             raise ValueError(f"{self.layer.name}: out overlaps x; the kernel cannot run in place")
         return out
 
-    def __call__(self, x: Any, out: Any = None, stream: Any = None) -> Any:
+    def _check_residual(self, residual: Any, x: Any, out: Any) -> Any:
+        import cupy
+
+        name = self.layer.name
+        if not self.epilogue.residual:
+            if residual is not None:
+                raise ValueError(f"{name}: got a residual, but the kernel was compiled without one "
+                                 "(compile with residual=True)")
+            return None
+        if residual is None:
+            raise ValueError(f"{name}: the kernel adds a residual; pass residual=<(N, K, Ho, Wo) array>")
+        if hasattr(residual, "requires_grad") and residual.requires_grad:
+            raise ValueError(f"{name}: residual requires grad; sparseconv kernels are inference-only")
+        r = residual if isinstance(residual, cupy.ndarray) else cupy.asarray(residual)
+        want = self.output_shape(x.shape[0])
+        if r.dtype != cupy.float32 or tuple(r.shape) != want or not r.flags.c_contiguous:
+            raise ValueError(f"{name}: residual must be a C-contiguous float32 array of shape {want}, "
+                             f"got {r.dtype} {tuple(r.shape)}")
+        if r.device.id != self.device_id:
+            raise ValueError(f"{name}: residual is on GPU {r.device.id}, expected GPU {self.device_id}")
+        if r.data.ptr < out.data.ptr + out.nbytes and out.data.ptr < r.data.ptr + r.nbytes \
+                and r.data.ptr != out.data.ptr:
+            raise ValueError(f"{name}: residual partly overlaps out (it may be out itself, or apart from it)")
+        return r
+
+    def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
         import cupy
 
         x = self._check_input(x)
         out = cupy.empty(self.output_shape(x.shape[0]), dtype=cupy.float32) if out is None \
             else self._check_out(out, x)
+        residual = self._check_residual(residual, x, out)
         if x.shape[0] == 0:
             return out
         if stream is not None:
             stream = as_cupy_stream(stream, self.device_id, self.layer.name)
         with (stream if stream is not None else cupy.cuda.get_current_stream()):
-            self._launch(x, out)
+            self._launch(x, out, residual)
         return out
 
-    def _launch(self, x: Any, out: Any) -> None:
-        layer = self.layer
+    def variant(self, batch: int) -> Tuple[int, CompiledLayer, Any]:
+        """(index, compiled layer, function) of the variant serving this batch size."""
+        for i, (up_to, layer, fn) in enumerate(self._variants):
+            if batch <= up_to:
+                return i, layer, fn
+        raise AssertionError("the last variant serves any batch")
+
+    def _launch(self, x: Any, out: Any, residual: Any = None) -> None:
+        import cupy
+
         n = x.shape[0]
-        for first in range(0, n, MAX_GRID_Z):
-            count = min(MAX_GRID_Z, n - first)
-            self._function((layer.grid_tiles, layer.kblocks, count), (layer.tiling.threads, 1, 1),
-                           (x[first:first + count], out[first:first + count], self._bias,
-                            np.int32(layer.chunks)),
-                           shared_mem=layer.shared_bytes)
+        index, layer, fn = self.variant(n)
+        step = layer.max_batch_per_launch
+        slices = layer.tiling.slices
+        for first in range(0, n, step):
+            count = min(step, n - first)
+            y = out[first:first + count]
+            res = residual[first:first + count] if residual is not None else None
+            if slices > 1:  # partial sums into the workspace, then the ordered reduction
+                ws = self._workspace.get((index, count))
+                if ws is None:
+                    ws = self._workspace[(index, count)] = cupy.empty((slices,) + y.shape, cupy.float32)
+                target = ws
+            else:
+                target = y
+            fn(layer.grid(count), (layer.tiling.threads, 1, 1),
+               (x[first:first + count], target, self._bias, res if res is not None else np.uint64(0),
+                np.int32(count), np.int32(layer.chunks)),
+               shared_mem=layer.shared_bytes)
+            if slices > 1:
+                lo, hi = self.epilogue.bounds
+                total = y.size
+                _reduce_kernel(self.device_id)(
+                    (min(-(-total // 256), 4096),), (256,),
+                    (target, y, res if res is not None else np.uint64(0), np.int64(total), np.int32(slices),
+                     np.int32(res is not None), np.int32(lo is not None), np.float32(lo or 0.0),
+                     np.int32(hi is not None), np.float32(hi or 0.0)))
 
     def __repr__(self) -> str:
         s = self.stats
@@ -211,5 +315,14 @@ class DenseConv2dKernel(Conv2dKernel):
             raise RuntimeError(f"{layer.name}: the dense path needs torch with CUDA")
         self._dense = dense
 
-    def _launch(self, x: Any, out: Any) -> None:
+    def _launch(self, x: Any, out: Any, residual: Any = None) -> None:
+        import cupy
+
         self._dense(x, out)
+        if residual is not None:
+            cupy.add(out, residual, out=out)
+        lo, hi = self.epilogue.bounds
+        if lo is not None or hi is not None:  # a clamp that keeps NaN, like the kernels
+            lo_v = np.float32(-np.inf if lo is None else lo)
+            hi_v = np.float32(np.inf if hi is None else hi)
+            cupy.copyto(out, cupy.where(out < lo_v, lo_v, cupy.where(out > hi_v, hi_v, out)))

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import numpy as np
 
 IntPair = Union[int, Tuple[int, int]]
+
+# Kernel families: one template each (templates/conv2d_<family>.cu.j2).
+FAMILIES = ("direct", "pointwise")
+# Activations the epilogue applies at the store (Epilogue.activation).
+ACTIVATIONS = ("none", "relu", "relu6", "clip")
 
 # Bound on the weights of one template body (K_BLOCK * C_BLOCK * R * S). nvcc and
 # ptxas time grow faster than linearly with straight-line code, so the template
@@ -130,11 +135,25 @@ class Tiling:
     # the kernel's code is streamed, not looped, so what keeps the SM busy is many
     # warps walking the same instructions (see docs/PERFORMANCE.md).
     min_blocks: int = 1
+    # The kernel family (FAMILIES): "direct" stages input patches in shared
+    # memory (any kernel size); "pointwise" (1x1 convs) reads its inputs straight
+    # from global memory, the batch folded into the pixels (tile_w = pixels per
+    # block, thread_w = pixels per thread).
+    family: str = "direct"
+    # The input-channel reduction split over this many blocks (split-K): each
+    # writes partial sums to a workspace, and a second kernel adds them in a
+    # fixed order (deterministic). 1 = no split.
+    slices: int = 1
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
+            if name == "family":
+                if v not in FAMILIES:
+                    raise ValueError(f"tiling.family must be one of {FAMILIES}, got {v!r}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"tiling.{name} must be a positive int, got {v!r}")
+        if self.family == "pointwise" and self.tile_h != 1:
+            raise ValueError("a pointwise tiling has tile_h 1 (its pixels run along tile_w)")
         if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
             raise ValueError(f"tile {self.tile_h}x{self.tile_w} is not a multiple of the "
                              f"per-thread {self.thread_h}x{self.thread_w}")
@@ -162,10 +181,63 @@ class Tiling:
         warps_per_partition = math.ceil(warps / 4) * self.min_blocks
         return min(255, 16384 // (32 * warps_per_partition) // 8 * 8)
 
+    @property
+    def fmas_per_weight(self) -> int:
+        """Outputs of one thread per output channel: FMAs each weight feeds in the body."""
+        return self.thread_h * self.thread_w
+
     def describe(self) -> str:
         blocks = f", {self.min_blocks} blocks/SM" if self.min_blocks > 1 else ""
-        return (f"k_block={self.k_block} c_block={self.c_block} tile={self.tile_h}x{self.tile_w} "
-                f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads{blocks})")
+        fam = "" if self.family == "direct" else f"{self.family} "
+        sl = f", {self.slices} slices" if self.slices > 1 else ""
+        if self.family == "pointwise":
+            return (f"{fam}k_block={self.k_block} c_block={self.c_block} pixels={self.thread_w}/thread "
+                    f"({self.threads} threads{blocks}{sl})")
+        return (f"{fam}k_block={self.k_block} c_block={self.c_block} tile={self.tile_h}x{self.tile_w} "
+                f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads{blocks}{sl})")
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What a kernel does to each output at the store, after the bias: add a
+    residual tensor of the output's shape (a ResNet shortcut), then an
+    activation. Fusing these saves a pass over memory each. Exact fp32:
+    y = act(conv(x) + bias + residual)."""
+
+    activation: str = "none"                       # one of ACTIVATIONS
+    clip: Optional[Tuple[float, float]] = None     # (lo, hi), for activation "clip" only
+    residual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if (self.activation == "clip") != (self.clip is not None):
+            raise ValueError("clip=(lo, hi) is given with activation='clip', and only then")
+        if self.clip is not None:
+            lo, hi = self.clip
+            if not (float(lo) <= float(hi)):
+                raise ValueError(f"clip bounds must satisfy lo <= hi, got {self.clip}")
+            object.__setattr__(self, "clip", (float(lo), float(hi)))
+        if not isinstance(self.residual, bool):
+            raise TypeError(f"residual must be a bool, got {self.residual!r}")
+
+    @property
+    def bounds(self) -> Tuple[Optional[float], Optional[float]]:
+        """(lo, hi) of the clamp the activation is; None where unbounded."""
+        if self.activation == "relu":
+            return 0.0, None
+        if self.activation == "relu6":
+            return 0.0, 6.0
+        if self.activation == "clip":
+            lo, hi = self.clip  # type: ignore[misc]
+            return (None if lo == -math.inf else lo), (None if hi == math.inf else hi)
+        return None, None
+
+    def describe(self) -> str:
+        parts = ["bias"] + (["+ residual"] if self.residual else [])
+        if self.activation != "none":
+            parts.append(f"-> {self.activation}" + (f"{self.clip}" if self.clip else ""))
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -179,6 +251,16 @@ class Target:
             raise ValueError(f"target arch must look like 'sm_90', got {self.arch!r}")
 
 
+def launch_grid(shape: ConvShape, tiling: Tiling, batch: int) -> Tuple[int, int, int]:
+    """The grid for `batch` images: blockIdx.y picks the k-block copy (output-
+    channel block x slice); the direct family tiles each image's outputs (x)
+    per image (z), the pointwise family the pixels of the whole batch (x)."""
+    if tiling.family == "pointwise":
+        return (-(-batch * shape.out_h * shape.out_w // tiling.tile_w), n_kblocks(shape, tiling), 1)
+    tiles = -(-shape.out_h // tiling.tile_h) * -(-shape.out_w // tiling.tile_w)
+    return (tiles, n_kblocks(shape, tiling), batch)
+
+
 def patch_size(shape: ConvShape, tiling: Tiling) -> Tuple[int, int]:
     """Input rows and columns a block needs for its tile of outputs."""
     ph = (tiling.tile_h - 1) * shape.stride[0] + (shape.kernel_h - 1) * shape.dilation[0] + 1
@@ -187,7 +269,10 @@ def patch_size(shape: ConvShape, tiling: Tiling) -> Tuple[int, int]:
 
 
 def patch_buffer_bytes(shape: ConvShape, tiling: Tiling) -> int:
-    """Dynamic shared memory of one block: two buffers of c_block input patches."""
+    """Dynamic shared memory of one block: two buffers of c_block input patches
+    (the direct family; the pointwise family stages nothing)."""
+    if tiling.family == "pointwise":
+        return 0
     ph, pw = patch_size(shape, tiling)
     return 2 * tiling.c_block * ph * pw * 4
 
@@ -199,15 +284,29 @@ def stage_steps(shape: ConvShape, tiling: Tiling) -> int:
 
 
 def n_chunks(shape: ConvShape, tiling: Tiling) -> int:
-    return math.ceil(shape.c_per_group / tiling.c_block)
+    """Chunks of c_block input channels one block runs: all of a group's, or
+    one slice's share of them when the reduction is split."""
+    return math.ceil(math.ceil(shape.c_per_group / tiling.c_block) / tiling.slices)
 
 
 def n_kblocks(shape: ConvShape, tiling: Tiling) -> int:
-    return shape.groups * math.ceil(shape.k_per_group / tiling.k_block)
+    """Copies of the k-block function, blockIdx.y's range: output-channel
+    blocks over all groups, times the slices of the reduction."""
+    return shape.groups * math.ceil(shape.k_per_group / tiling.k_block) * tiling.slices
+
+
+def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
+    """Do the chunks (of every slice) run past the group's last input channel?"""
+    return n_chunks(shape, tiling) * tiling.slices * tiling.c_block != shape.c_per_group
 
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
+    if tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1):
+        raise ValueError(f"the pointwise family serves 1x1 convs only, not {shape.kernel_h}x{shape.kernel_w}")
+    if tiling.slices > math.ceil(shape.c_per_group / tiling.c_block):
+        raise ValueError(f"tiling {tiling.describe()}: {tiling.slices} slices but only "
+                         f"{math.ceil(shape.c_per_group / tiling.c_block)} chunks of input channels")
     body = tiling.k_block * tiling.c_block * shape.kernel_h * shape.kernel_w
     if body > MAX_BODY_WEIGHTS * 4:
         raise ValueError(f"tiling {tiling.describe()} puts {body} weights in one template body; "
@@ -259,8 +358,25 @@ def _k_block(shape: ConvShape, k_block: int = 32) -> int:
     return k_block
 
 
+def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threads: int = 128,
+                     min_blocks: int = 1, slices: int = 1) -> Tiling:
+    """A pointwise-family tiling (1x1 convs): k_block output channels x
+    `pixels` pixels per thread, `threads` threads. c_block is the largest the
+    body bound allows, preferring one that divides the input channels (no
+    padded chunk)."""
+    k_block = min(k_block, shape.k_per_group)
+    bound = max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS * 4 // k_block))
+    c_block = next((d for d in range(bound, bound // 2, -1) if shape.c_per_group % d == 0), bound)
+    return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, min_blocks, "pointwise", slices)
+
+
 def default_tiling(shape: ConvShape) -> Tiling:
-    """32 output channels per block (16 or 8 when R*S is large), one output per
+    """1x1 convs: the pointwise family, 64 output channels x 1 pixel per
+    thread, 128 threads: the best or within 1.05x of the best of 4 candidates
+    on ResNet-50's 1x1 layers at batch 64 (H100, bench/family_sweep.py,
+    docs/PERFORMANCE.md). Other convs: the direct family, below.
+
+    32 output channels per block (16 or 8 when R*S is large), one output per
     thread, 256 threads, registers capped so two blocks fit on an SM. The kernel
     is straight-line code streamed from the instruction cache, so the more warps
     walk the same instructions, the less each waits for them. Chosen by
@@ -272,9 +388,75 @@ def default_tiling(shape: ConvShape) -> Tiling:
     Layers with under SHALLOW_MACS multiply-adds per output (C/groups * R * S:
     the first layers of most CNNs) are bound by memory, not by instruction
     fetch; they keep the previous rule, which measured faster on them."""
+    if (shape.kernel_h, shape.kernel_w) == (1, 1):
+        return pointwise_tiling(shape)
     if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
         return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
     return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
+
+
+# Blocks that fill the H100 once (132 SMs) and twice: a layer that gives fewer
+# than one wave at batch 1 gets a second, split variant (split_tiling).
+ONE_WAVE, TWO_WAVES = 132, 264
+# Least work per slice of a split reduction: multiply-adds per output for the
+# direct family, input channels for the pointwise one. Below it the second
+# (reduction) kernel costs more than the split gains (bench/family_sweep.py).
+MIN_SLICE_MACS_DIRECT = 128
+MIN_SLICE_CHANNELS_POINTWISE = 128
+
+
+def blocks_per_image(shape: ConvShape, tiling: Tiling) -> float:
+    """Blocks one image gives (fractional for the pointwise family, whose
+    blocks span images)."""
+    kblocks = n_kblocks(shape, tiling)
+    if tiling.family == "pointwise":
+        return shape.out_h * shape.out_w / tiling.tile_w * kblocks
+    return math.ceil(shape.out_h / tiling.tile_h) * math.ceil(shape.out_w / tiling.tile_w) * kblocks
+
+
+def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
+    """The variant of `tiling` for small batches with the input-channel
+    reduction split over blocks, or None where one image already fills the
+    GPU or the reduction is too short to split. Slices: the largest power of
+    two that keeps blocks within two waves and each slice at least the
+    minimum work (measured on the H100: batch 1, ResNet-50 and VGG-16 layers,
+    1.2-6x faster where it applies; bench/family_sweep.py)."""
+    blocks = math.ceil(blocks_per_image(shape, tiling))
+    if tiling.slices != 1 or blocks >= ONE_WAVE:
+        return None
+    chunks = math.ceil(shape.c_per_group / tiling.c_block)
+    if tiling.family == "pointwise":
+        most = shape.c_per_group // MIN_SLICE_CHANNELS_POINTWISE
+        least = 4  # 2 slices do not pay for the reduction kernel
+    else:
+        most = shape.c_per_group * shape.kernel_h * shape.kernel_w // MIN_SLICE_MACS_DIRECT
+        least = 2
+    slices = 1
+    while slices * 2 <= min(most, chunks) and blocks * slices * 2 <= TWO_WAVES:
+        slices *= 2
+    if slices < least:
+        return None
+    return replace(tiling, slices=slices)
+
+
+def split_batch_limit(shape: ConvShape, tiling: Tiling) -> int:
+    """Largest batch the split variant serves: while the unsplit kernel would
+    still give less than one wave of blocks."""
+    return max(1, math.ceil(ONE_WAVE / blocks_per_image(shape, tiling)) - 1)
+
+
+# A variant serves batches up to this size; the last one serves any batch.
+ANY_BATCH = 1 << 62
+
+
+def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]:
+    """The tilings a layer is built with, each for batches up to a size:
+    `tiling` for any batch, preceded by its split variant for small batches
+    where split_tiling gives one."""
+    split = split_tiling(shape, tiling)
+    if split is None:
+        return [(ANY_BATCH, tiling)]
+    return [(split_batch_limit(shape, tiling), split), (ANY_BATCH, tiling)]
 
 
 # (k_block, outputs per thread along W, threads, min_blocks), best first: the
@@ -283,11 +465,22 @@ _CANDIDATES = ((32, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 2), (32, 1, 256, 1
                (32, 2, 256, 1), (16, 1, 256, 2), (64, 1, 128, 2), (32, 2, 128, 1))
 
 
+# (k_block, pixels per thread, threads) of the pointwise family, best first on
+# ResNet-50's 1x1 layers (bench/family_sweep.py, H100, 2026-11-23).
+_POINTWISE_CANDIDATES = ((64, 1, 128), (128, 1, 64), (64, 2, 64), (32, 2, 128))
+
+
 def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     """A bounded set of tilings worth measuring (see _CANDIDATES), k_block
     shrunk as in the default for large kernels, at most 64 accumulators per
-    thread."""
+    thread. 1x1 convs: pointwise-family tilings (_POINTWISE_CANDIDATES)."""
     out = []
+    if (shape.kernel_h, shape.kernel_w) == (1, 1):
+        for k_block, pixels, threads in _POINTWISE_CANDIDATES:
+            t = pointwise_tiling(shape, k_block, pixels, threads)
+            if t not in out:
+                out.append(t)
+        return out[:limit]
     for k_block, thread_w, threads, min_blocks in _CANDIDATES:
         k_block = _k_block(shape, k_block)
         if min(k_block, shape.k_per_group) * min(thread_w, shape.out_w) > 64:

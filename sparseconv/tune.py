@@ -27,7 +27,7 @@ from .build import SPECIALISER_FINGERPRINT, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
 from .runtime import Conv2dKernel
-from .shapes import ConvShape, Target, Tiling, candidate_tilings, default_tiling
+from .shapes import ConvShape, Epilogue, Target, Tiling, candidate_tilings, default_tiling
 from .timing import median_us, replay_us
 
 SPARSE, DENSE = "sparseconv", "dense"
@@ -56,7 +56,8 @@ SPARSE_EVENTS = "sparseconv (events)"
 
 def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray], *, target: Target,
                 cache: ArtifactCache, name: str, batch: int = 64, tilings: Optional[List[Tiling]] = None,
-                consider_dense: bool = False, jobs: Optional[int] = None) -> Tuple[CompiledLayer, TuningResult]:
+                consider_dense: bool = False, jobs: Optional[int] = None,
+                epilogue: Epilogue = Epilogue()) -> Tuple[CompiledLayer, TuningResult]:
     """Time each candidate tiling (default: shapes.candidate_tilings plus the
     default) and, with consider_dense, cuDNN strict fp32; return the fastest
     sparse build and the choice. Needs a GPU (the current CuPy device)."""
@@ -67,31 +68,32 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     dense = dense_conv2d(weight, bias, shape) if consider_dense else None
     key = cache_key("tuning", SPECIALISER_FINGERPRINT, weight.tobytes(), repr(shape), target.arch, device, str(batch),
-                    repr(sorted(t.describe() for t in tilings)), str(dense is not None))
+                    repr(sorted(t.describe() for t in tilings)), str(dense is not None), epilogue.describe())
     note = "dense not timed: needs torch with CUDA" if consider_dense and dense is None else ""
     hit = cache.get_json("tuning", key)
     if hit is not None:
         tiling = Tiling(**hit["tiling"])
-        layer = build_conv2d(weight, shape, tiling=tiling, target=target, cache=cache, name=name)
+        layer = build_conv2d(weight, shape, tiling=tiling, target=target, cache=cache, name=name, epilogue=epilogue)
         return layer, TuningResult(tiling, hit["backend"], batch, hit["times_us"], device, True, note)
 
     t0 = time.perf_counter()
-    built = build_many([LayerJob(f"{name}#{i}", weight, shape, t) for i, t in enumerate(tilings)],
+    built = build_many([LayerJob(f"{name}#{i}", weight, shape, t, epilogue) for i, t in enumerate(tilings)],
                        target=target, cache_dir=str(cache.root), workers=jobs, progress=False)
     rng = np.random.default_rng()
     x = cupy.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
     out = cupy.empty((batch, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
+    res = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)) if epilogue.residual else None
     layers = {layer.tiling.describe(): layer for layer in built.values()}
     kernels = {d: Conv2dKernel(layer, bias) for d, layer in layers.items()}
     times: Dict[str, float] = {d: float("inf") for d in layers}
     for _ in range(TUNING_ROUNDS):  # interleaved: a slow spell of the GPU hits every candidate
         for d, kernel in kernels.items():
-            times[d] = min(times[d], replay_us(lambda: kernel(x, out=out)))
+            times[d] = min(times[d], replay_us(lambda: kernel(x, out=out, residual=res)))
     best = min(layers, key=lambda d: times[d])
     backend = SPARSE
     if dense is not None:  # like with like: both by events around launches
         times[DENSE] = median_us(lambda: dense(x, out), batch)
-        times[SPARSE_EVENTS] = median_us(lambda: kernels[best](x, out=out), batch)
+        times[SPARSE_EVENTS] = median_us(lambda: kernels[best](x, out=out, residual=res), batch)
         backend = DENSE if times[DENSE] < times[SPARSE_EVENTS] else SPARSE
     chosen = replace(layers[best], name=name)
     cache.put_json("tuning", key, {"tiling": asdict(chosen.tiling), "backend": backend, "times_us": times,

@@ -11,7 +11,8 @@ from sparseconv.ptx import Stmt
 from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import ConvShape, Target, Tiling, default_tiling, n_chunks, n_kblocks, patch_buffer_bytes
+from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, n_chunks,
+                               patch_buffer_bytes)
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -39,14 +40,34 @@ def template(name):
     return r, compile_to_ptx(r.source, Target(), name)
 
 
-def run_ptx(ptx, rendered, x, bias):
+def run_ptx(ptx, rendered, x, bias, residual=None):
+    """Run the specialised kernel in the interpreter. With a split reduction
+    the slices' partial sums are added here in slice order (as the run-time's
+    reduction kernel does) and the epilogue applied after."""
     shape, t = rendered.shape, rendered.tiling
     n = x.shape[0]
-    y = np.full((n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
-    tiles = -(-shape.out_h // t.tile_h) * -(-shape.out_w // t.tile_w)
-    run_kernel(ptx, ENTRY_NAME, grid=(tiles, n_kblocks(shape, t), n), block=(t.threads, 1, 1),
-               args=[np.ascontiguousarray(x), y, bias, n_chunks(shape, t)],
+    y = np.full((t.slices, n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
+               args=[np.ascontiguousarray(x), y, bias, residual if residual is not None else 0, n,
+                     n_chunks(shape, t)],
                dynamic_shared_bytes=patch_buffer_bytes(shape, t))
+    if t.slices == 1:
+        return y[0]
+    out = y[0]
+    for s in range(1, t.slices):
+        out = out + y[s]
+    return apply_epilogue(out, rendered.epilogue, residual)
+
+
+def apply_epilogue(y, epilogue, residual):
+    """y + residual, then the activation's clamp, in y's dtype (the reference's side)."""
+    if epilogue.residual:
+        y = y + residual
+    lo, hi = epilogue.bounds
+    if lo is not None:
+        y = np.where(y < lo, lo, y).astype(y.dtype)
+    if hi is not None:
+        y = np.where(y > hi, hi, y).astype(y.dtype)
     return y
 
 
@@ -175,3 +196,95 @@ def test_a_piece_that_drops_an_accumulator_is_caught(monkeypatch):
         y = run_ptx(ptx, rendered, x, np.zeros(7, np.float32))
         ref = conv2d_reference(x, w, None, rendered.shape.stride, rendered.shape.padding)
         assert relative_l2(y, ref) <= 1e-5
+
+
+# --------------------------------------------------------------------------- kernel families, split-K, epilogues
+
+def _pointwise(kb, cb, pixels, threads, slices=1):
+    return Tiling(kb, cb, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices)
+
+
+FAMILY_LAYERS = {
+    # 1x1 convs through the pointwise family: batch folded into the pixels,
+    # stride, zero padding, groups, one input channel, partial chunks, several
+    # pixels per thread, a split reduction.
+    "pw_basic": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(8, 4, 2, 32), Epilogue()),
+    "pw_stride2_split": (ConvShape(10, 12, 7, 6, 1, 1, (2, 2)), _pointwise(4, 4, 2, 32, 2), Epilogue()),
+    "pw_padding_clip": (ConvShape(6, 8, 5, 5, 1, 1, (1, 1), (1, 1)), _pointwise(8, 4, 1, 32),
+                        Epilogue("clip", clip=(-0.5, 0.7))),
+    "pw_groups_split": (ConvShape(8, 6, 6, 6, 1, 1, groups=2), _pointwise(3, 2, 1, 32, 2), Epilogue()),
+    "pw_one_channel": (ConvShape(1, 4, 4, 4, 1, 1), _pointwise(4, 1, 1, 32), Epilogue()),
+    "pw_se_1x1_input": (ConvShape(2, 8, 1, 1, 1, 1), _pointwise(8, 2, 1, 32), Epilogue("relu")),
+    "pw_residual_relu": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(8, 3, 1, 32), Epilogue("relu", residual=True)),
+    "pw_split_residual_relu6": (ConvShape(12, 8, 3, 3, 1, 1), _pointwise(8, 2, 1, 32, 3),
+                                Epilogue("relu6", residual=True)),
+    # the direct family with a split reduction and epilogues
+    "direct_split": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1, slices=2), Epilogue()),
+    "direct_split_uneven_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 6, 1, 2, slices=2),
+                                     Epilogue("relu", residual=True)),
+    "direct_residual_relu6": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1),
+                              Epilogue("relu6", residual=True)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def family_template(name):
+    shape, tiling, epilogue = FAMILY_LAYERS[name]
+    r = render(shape, tiling, epilogue)
+    return r, compile_to_ptx(r.source, Target(), name)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_LAYERS))
+def test_kernel_families_compute_the_convolution(name):
+    """Every family, split or not, with its epilogue: specialised PTX run in
+    the interpreter against the float64 reference of act(conv + bias + residual)."""
+    rng = np.random.default_rng()
+    rendered, tptx = family_template(name)
+    shape, epilogue = rendered.shape, rendered.epilogue
+    w = pruned_weight(rng, shape.weight_shape, 0.6)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    res = rng.standard_normal((3, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
+        if epilogue.residual else None
+    ptx, stats = specialise(tptx, rendered, w)
+    y = run_ptx(ptx, rendered, x, bias, res)
+    ref = apply_epilogue(conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups),
+                         epilogue, res)
+    assert not np.isnan(y).any(), "outputs left unwritten"
+    assert relative_l2(y, ref) <= 1e-5
+    assert stats.fmas_deleted > 0 or not (w == 0).any()
+
+
+def test_slices_split_the_reduction_and_their_sum_is_the_convolution():
+    """A split layer's slices each hold part of the sum: no slice alone is the
+    answer, and the bias is added by slice 0 only."""
+    rng = np.random.default_rng(5)
+    rendered, tptx = family_template("pw_stride2_split")
+    shape, t = rendered.shape, rendered.tiling
+    w = pruned_weight(rng, shape.weight_shape, 0.3)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    ptx, _ = specialise(tptx, rendered, w)
+    parts = np.full((t.slices, 2, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, 2), block=(t.threads, 1, 1),
+               args=[x, parts, bias, 0, 2, n_chunks(shape, t)])
+    ref = conv2d_reference(x, w, None, shape.stride, shape.padding)
+    assert relative_l2(parts[1], ref) > 1e-2 and relative_l2(parts[0] - bias[:, None, None], ref) > 1e-2
+    assert relative_l2(parts[0] + parts[1], ref + bias[:, None, None]) <= 1e-5
+
+
+def test_a_slice_placement_bug_is_caught(monkeypatch):
+    """Mutation check: weights arranged into the wrong slice change the result."""
+    real = emit.arrange_weights
+    t = FAMILY_LAYERS["direct_split"][1]
+    monkeypatch.setattr(emit, "arrange_weights",
+                        lambda w, s, tl: np.roll(real(w, s, tl).reshape(-1, t.slices, *real(w, s, tl).shape[1:]),
+                                                 1, axis=1).reshape(real(w, s, tl).shape))
+    rng = np.random.default_rng(2)
+    rendered, tptx = family_template("direct_split")
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    ptx, _ = specialise(tptx, rendered, w)
+    y = run_ptx(ptx, rendered, x, np.zeros(shape.out_channels, np.float32))
+    assert relative_l2(y, conv2d_reference(x, w, None, shape.stride, shape.padding)) > 1e-3

@@ -176,8 +176,8 @@ def test_specialised_kernels_inside_the_runner_give_the_dense_predictions(tmp_pa
         s, n = layer.shape, inp.shape[0]
         y = np.full((n, s.out_channels, s.out_h, s.out_w), np.nan, np.float32)
         run_kernel(cache.get_text("kernel", built.ptx_sha256, ".ptx"), built.entry,
-                   grid=(built.grid_tiles, built.kblocks, n), block=(built.tiling.threads, 1, 1),
-                   args=[np.ascontiguousarray(inp, np.float32), y, layer.bias, built.chunks],
+                   grid=built.grid(n), block=(built.tiling.threads, 1, 1),
+                   args=[np.ascontiguousarray(inp, np.float32), y, layer.bias, 0, n, built.chunks],
                    dynamic_shared_bytes=built.shared_bytes)
         return y
 

@@ -39,7 +39,7 @@ def test_shipped_model_conv_kernels_compute_the_convolution(tmp_path):
         s, t = layer.shape, built.tiling
         x = rng.random((3, s.in_channels, s.in_h, s.in_w)).astype(np.float32)
         y = np.full((3, s.out_channels, s.out_h, s.out_w), np.nan, np.float32)
-        run_kernel(ptx, built.entry, grid=(built.grid_tiles, built.kblocks, 3), block=(t.threads, 1, 1),
-                   args=[x, y, layer.bias, built.chunks], dynamic_shared_bytes=built.shared_bytes)
+        run_kernel(ptx, built.entry, grid=built.grid(3), block=(t.threads, 1, 1),
+                   args=[x, y, layer.bias, 0, 3, built.chunks], dynamic_shared_bytes=built.shared_bytes)
         ref = conv2d_reference(x, layer.weight, layer.bias, s.stride, s.padding)
         assert not np.isnan(y).any() and relative_l2(y, ref) <= 1e-5, layer.name

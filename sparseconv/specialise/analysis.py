@@ -341,7 +341,7 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
         raise SpecialiseError("chunk loop back edge is unconditional", back_edge.line, back_edge.text)
 
     # Each weight must feed exactly thread_h * thread_w FMAs.
-    per_weight = tiling.thread_h * tiling.thread_w
+    per_weight = tiling.fmas_per_weight
     counts = np.bincount([f.index for f in fma_at.values()], minlength=len(bits_to_index))
     if len(counts) != len(bits_to_index) or not np.all(counts == per_weight):
         missing = int(np.sum(counts == 0))

@@ -7,15 +7,17 @@ from ..shapes import ConvShape, Tiling, n_chunks, n_kblocks
 
 
 def arrange_weights(weight: np.ndarray, shape: ConvShape, tiling: Tiling) -> np.ndarray:
-    """(K, C/groups, R, S) -> (kblocks, chunks, body) in placeholder body order.
-    Channels past K or C of a group (padding up to whole blocks) get weight 0."""
+    """(K, C/groups, R, S) -> (kblocks, chunks, body) in placeholder body order,
+    k-block copy b = blockIdx.y = output-channel block * slices + slice, each
+    slice its own run of chunks. Channels past K or C of a group (padding up to
+    whole blocks, chunks and slices) get weight 0."""
     g, kpg, cpg = shape.groups, shape.k_per_group, shape.c_per_group
-    kb, cb = tiling.k_block, tiling.c_block
-    kbpg = n_kblocks(shape, tiling) // g
-    nch = n_chunks(shape, tiling)
+    kb, cb, sl = tiling.k_block, tiling.c_block, tiling.slices
+    kbpg = n_kblocks(shape, tiling) // (g * sl)
+    nch = n_chunks(shape, tiling)  # per slice
     r, s = shape.kernel_h, shape.kernel_w
     w = np.asarray(weight, dtype=np.float32).reshape(g, kpg, cpg, r, s)
-    padded = np.zeros((g, kbpg * kb, nch * cb, r, s), dtype=np.float32)
+    padded = np.zeros((g, kbpg * kb, sl * nch * cb, r, s), dtype=np.float32)
     padded[:, :kpg, :cpg] = w
-    padded = padded.reshape(g, kbpg, kb, nch, cb, r, s).transpose(0, 1, 3, 2, 4, 5, 6)
-    return np.ascontiguousarray(padded.reshape(g * kbpg, nch, kb * cb * r * s))
+    padded = padded.reshape(g, kbpg, kb, sl, nch, cb, r, s).transpose(0, 1, 3, 4, 2, 5, 6, 7)
+    return np.ascontiguousarray(padded.reshape(g * kbpg * sl, nch, kb * cb * r * s))
