@@ -421,10 +421,12 @@ def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: floa
     except Exception as exc:  # noqa: BLE001 -- any tracing failure means: per-module path
         error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         plans = plan(model, example_input, min_sparsity, dtypes)
+        single = isinstance(model, nn.Conv2d)
         convs = swap_modules(model, plans)
-        if isinstance(model, nn.Conv2d) and convs:
+        if single and convs:
             model = next(iter(convs.values()))
-        note = f"not traceable by torch.fx ({error}): per-module swap, nothing fused"
+        note = ("the model is one nn.Conv2d: swapped whole" if single else
+                f"not traceable by torch.fx ({error}): per-module swap, nothing fused")
         plans = [p if p.action == "kept" else ConvPlan(p.name, p.action, note, p.sparsity, p.shape) for p in plans]
         return FrontEnd(model, plans, convs, False, error)
     return _rewrite(model, gm, min_sparsity, fuse, dtypes)

@@ -208,3 +208,9 @@ def test_resnet50_fuses_every_conv_and_matches_in_float64():
         kinds[p.fused] = kinds.get(p.fused, 0) + 1
     # stem + 2 per bottleneck: bn+relu; the last of each bottleneck: bn+add+relu; downsamples: bn.
     assert kinds == {("bn", "relu"): 33, ("bn", "add", "relu"): 16, ("bn",): 4}
+
+
+def test_a_model_that_is_one_conv_is_swapped_whole():
+    conv = prune_(nn.Sequential(nn.Conv2d(3, 4, 3)))[0]
+    front = check(conv.double(), torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    assert isinstance(front.module, FusedConv2d) and front.plans[0].reason == "the model is one nn.Conv2d: swapped whole"
