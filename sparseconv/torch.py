@@ -89,7 +89,7 @@ def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: O
     """Compile every fused conv on the current GPU (name -> kernel): one
     parallel build_many call; with tiling/backend "auto", one tuned compile per
     layer (each tunes its own candidates in parallel)."""
-    from . import kernel as runtime
+    from . import Conv2dKernel, compile_conv2d  # the package's names: stable while the run-time module moves
     from .assemble import device_target
     from .parallel import LayerJob, build_many
     from .shapes import Epilogue
@@ -101,7 +101,7 @@ def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: O
         out = {}
         for name, m in convs.items():
             s = shapes[name]
-            out[name] = runtime.compile_conv2d(
+            out[name] = compile_conv2d(
                 _host(m.weight), input_size=(s.in_h, s.in_w), bias=_host(m.bias), stride=s.stride,
                 padding=s.padding, dilation=s.dilation, groups=s.groups, activation=m.activation, clip=m.clip,
                 residual=m.residual, tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
@@ -109,7 +109,7 @@ def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: O
         return out
     built = build_many([LayerJob(name, _host(m.weight), shapes[name], epilogue=epilogue(m)) for name, m in convs.items()],
                        target=device_target(), cache_dir=cache_dir, workers=jobs, progress=progress)
-    return {name: runtime.Conv2dKernel(built[name], _host(m.bias)) for name, m in convs.items()}
+    return {name: Conv2dKernel(built[name], _host(m.bias)) for name, m in convs.items()}
 
 
 def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0,
