@@ -318,6 +318,8 @@ def _residual_operand(node: fx.Node, value: fx.Node) -> Optional[fx.Node]:
         if node.kwargs or len(node.args) != 2:
             return None                      # alpha=, out=: not a plain add
         a, b = node.args
+        if (node.target in ("add_", operator.iadd)) and a is not value:
+            return None                      # other.add_(value) writes into other: its other users would see it
         other = b if a is value else a if b is value else None
         if isinstance(other, fx.Node) and other is not value:
             return other

@@ -107,7 +107,8 @@ def test_bn_folding_keeps_zeros_and_sparsity():
 
 class Shared(nn.Module):
     """Chains that must NOT fuse: the conv output has another user, a training
-    BN, a broadcast add, an in-place write between conv and add, a conv called twice."""
+    BN, a broadcast add, an in-place write between conv and add, a conv called
+    twice, an in-place add into the other operand."""
 
     def __init__(self):
         super().__init__()
@@ -116,6 +117,7 @@ class Shared(nn.Module):
         self.broadcast = nn.Conv2d(4, 4, 1)
         self.hazard = nn.Conv2d(4, 4, 1)
         self.twice = nn.Conv2d(4, 4, 1)
+        self.into_other = nn.Conv2d(4, 4, 1)
         self.bias_map = nn.Parameter(torch.randn(4, 1, 1))
 
     def forward(self, x):
@@ -126,7 +128,9 @@ class Shared(nn.Module):
         h = self.hazard(c)
         c.mul_(2)                                       # in place on the residual, between conv and add
         d = torch.relu(h + c)
-        return self.twice(self.twice(d))
+        e = self.into_other(d)
+        d.add_(e)                                       # writes into d, which is used again below
+        return self.twice(self.twice(d)) + d
 
 
 def test_chains_that_must_not_fuse_are_left_alone():
@@ -141,6 +145,7 @@ def test_chains_that_must_not_fuse_are_left_alone():
     assert p["used_twice"].fused == () and p["train_bn_conv"].fused == ()
     assert p["broadcast"].fused == () and p["hazard"].fused == ()
     assert p["twice"].fused == () and "called 2 times" in p["twice"].reason
+    assert p["into_other"].fused == ()
     assert all(q.action == "sparseconv" for q in front.plans)
 
 
