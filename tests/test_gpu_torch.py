@@ -1,13 +1,12 @@
-"""GPU: the PyTorch drop-in sparseconv.torch.sparsify against the float64 model,
-on fresh random inputs."""
+"""GPU: the PyTorch drop-in sparseconv.torch.sparsify (fx front end, BN folded,
+epilogues fused) against the float64 evaluation of the original model, on fresh
+random inputs; the CUDA-graph option against eager results."""
 import numpy as np
 import pytest
 
 from sparseconv.testing import relative_l2
 
 pytestmark = pytest.mark.gpu
-
-
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -62,10 +61,12 @@ def test_sparsify_matches_the_original_model(session_cache_dir):
     net = _pruned_net()
     x = torch.randn(5, 3, 20, 18, device="cuda")
     fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir))
-    kinds = {p.name: p.action for p in fast.sparseconv_plan}
-    assert kinds == {"stem": "sparseconv", "down": "sparseconv", "grouped": "sparseconv", "depthwise": "sparseconv",
-                     "point": "sparseconv", "reflect": "kept"}
-    assert isinstance(fast.stem, sct.SparseConv2d) and isinstance(net.stem, nn.Conv2d)  # a copy was changed
+    kinds = {p.name: (p.action, p.fused) for p in fast.sparseconv_plan}
+    assert kinds == {"stem": ("sparseconv", ("bn", "relu")), "down": ("sparseconv", ("relu",)),
+                     "grouped": ("sparseconv", ("relu",)), "depthwise": ("sparseconv", ("relu",)),
+                     "point": ("sparseconv", ()), "reflect": ("kept", ())}
+    assert isinstance(fast.stem, sct.FusedConv2d) and isinstance(net.stem, nn.Conv2d)  # the model is unchanged
+    assert fast.stem.kernel is not None
     with torch.no_grad():
         y = fast(x)
     assert y.dtype == torch.float32
@@ -117,3 +118,96 @@ def test_sparse_conv_refuses_gradients_and_wrong_sizes(session_cache_dir):
             fast(torch.randn(2, 3, 17, 16, device="cuda"))
         with pytest.raises(TypeError, match="float32 CUDA"):
             fast.stem(torch.randn(2, 3, 16, 16, device="cuda").double())
+
+
+class ResidualNet(nn.Module):
+    """Residual adds before ReLU / ReLU6 / clamp, a BN'd projection shortcut
+    computed after the main branch (as torchvision's Bottleneck does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.a, self.bna = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.b, self.bnb = nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32)
+        self.proj, self.bnp = nn.Conv2d(16, 32, 1, stride=2, bias=False), nn.BatchNorm2d(32)
+        self.c = nn.Conv2d(32, 32, 1)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn0(self.stem(x)))
+        x = nn.functional.relu6(self.bna(self.a(x)) + x)
+        y = self.bnb(self.b(x))
+        y += self.bnp(self.proj(x))
+        y = torch.relu(y)
+        y = torch.clamp(self.c(y) + y, -1.0, 3.0)
+        return self.head(y.mean((2, 3)))
+
+
+def _pruned(net, sparsity=0.8):
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.mul_((torch.rand_like(m.weight) >= sparsity).float())
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return net.cuda().eval()
+
+
+def test_fused_residual_epilogues_match_the_original_model(session_cache_dir):
+    import sparseconv.torch as sct
+
+    net = _pruned(ResidualNet())
+    x = torch.randn(7, 3, 18, 20, device="cuda")
+    fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir), progress=False)
+    fused = {p.name: p.fused for p in fast.sparseconv_plan}
+    assert fused == {"stem": ("bn", "relu"), "a": ("bn", "add", "relu6"), "b": ("bn", "add", "relu"),
+                     "proj": ("bn",), "c": ("add", "clip")}
+    assert all(p.action == "sparseconv" for p in fast.sparseconv_plan)
+    with torch.no_grad():
+        y = fast(x)
+    assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
+
+
+def test_cuda_graph_replays_equal_eager_results_on_fresh_inputs(session_cache_dir):
+    import sparseconv.torch as sct
+
+    net = _pruned(ResidualNet())
+    example = torch.randn(1, 3, 16, 16, device="cuda")
+    eager = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False)
+    graphed = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False, cuda_graph=True)
+    assert isinstance(graphed, sct.CudaGraphModule) and graphed.sparseconv_plan == eager.sparseconv_plan
+    with torch.no_grad():
+        outputs = []
+        for batch in (4, 4, 9, 4):  # the second call of a shape replays; a new shape captures again
+            x = torch.randn(batch, 3, 16, 16, device="cuda")
+            y = graphed(x)
+            torch.testing.assert_close(y, eager(x), rtol=1e-6, atol=1e-6)  # cuBLAS may pick another algorithm in a graph
+            assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
+            outputs.append((x, y))
+        assert sorted(graphed.captured_shapes()) == [(4, 3, 16, 16), (9, 3, 16, 16)]
+        # The result is a copy: an earlier output is not overwritten by later replays.
+        x0, y0 = outputs[0]
+        torch.testing.assert_close(y0, eager(x0), rtol=1e-6, atol=1e-6)
+
+
+def test_full_resnet50_batch2_matches_float64(session_cache_dir):
+    import sparseconv.torch as sct
+    from sparseconv.zoo_torch import build_network
+
+    net = build_network("resnet50", sparsity=0.9, seed=int(np.random.default_rng().integers(1000))).cuda()
+    x = torch.randn(2, 3, 224, 224, device="cuda")
+    fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir), cuda_graph=True)
+    kinds = {}
+    for p in fast.sparseconv_plan:
+        kinds[(p.action, p.fused)] = kinds.get((p.action, p.fused), 0) + 1
+    assert kinds == {("sparseconv", ("bn", "relu")): 33, ("sparseconv", ("bn", "add", "relu")): 16,
+                     ("sparseconv", ("bn",)): 4}
+    with torch.no_grad():
+        y = fast(x)
+    ref = _float64_output(net, x)
+    assert relative_l2(y.cpu().numpy(), ref.cpu().numpy()) <= 1e-5
+    assert torch.equal(y.argmax(1).cpu(), ref.argmax(1).cpu())

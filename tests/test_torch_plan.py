@@ -56,3 +56,23 @@ def test_sparsify_needs_a_cuda_example():
 def test_sparsify_refuses_a_min_sparsity_outside_0_1(value):
     with pytest.raises(ValueError, match="min_sparsity"):
         sparsify(Mixed(), torch.randn(1, 3, 10, 12), min_sparsity=value)
+
+
+def test_format_plan_lists_action_fusion_and_reason():
+    from sparseconv.fx import prepare
+    from sparseconv.torch import format_plan
+
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                      nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")).eval()
+    text = format_plan(prepare(m, torch.randn(1, 3, 8, 8)).plans)
+    assert text.splitlines() == ["0  sparseconv  bn+relu", "3  kept        -               padding_mode='circular' "
+                                 "(only 'zeros' compiles)"]
+
+
+def test_cuda_graph_module_runs_cpu_inputs_directly():
+    from sparseconv.torch import CudaGraphModule
+
+    m = nn.Conv2d(3, 4, 1)
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        assert torch.equal(CudaGraphModule(m)(x), m(x))

@@ -1,0 +1,503 @@
+"""The PyTorch graph front end: trace a module with torch.fx, fold eval-mode
+BatchNorm into the conv before it, fuse Conv -> (BN) -> (Add) -> (ReLU/ReLU6/
+clip) chains into one FusedConv2d node, and say per conv what happened.
+
+Everything here runs on the CPU: a FusedConv2d without a compiled kernel (or on
+a CPU tensor) computes its chain with torch (F.conv2d + residual + activation),
+so each pass is checked in CI against the original module. sparseconv.torch
+compiles the FusedConv2d kernels on the GPU afterwards.
+
+Modules that torch.fx cannot trace (data-dependent control flow, ...) keep the
+per-module path: each eligible nn.Conv2d is swapped for an unfused FusedConv2d,
+and the plan says why nothing was fused.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .shapes import ConvShape, shape_from_weight
+
+ACTIVATIONS = ("none", "relu", "relu6", "clip")
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """What the front end does with one nn.Conv2d: compile it, or keep it and why."""
+
+    name: str
+    action: str                  # "sparseconv", "dense" (backend="auto" measured cuDNN faster) or "kept"
+    reason: str                  # why it was kept, or how it was handled ("" when plainly compiled)
+    sparsity: float
+    shape: Optional[ConvShape]   # None when the conv cannot be compiled
+    fused: Tuple[str, ...] = ()  # what was folded/fused into it, in order: "bn", "add", "relu", "relu6", "clip"
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """The result of prepare(): the rewritten module, the plan, and the fused
+    convs to compile (name -> module; in the module's order)."""
+
+    module: nn.Module
+    plans: List[ConvPlan]
+    convs: Dict[str, "FusedConv2d"]
+    traced: bool                 # False: fell back to the per-module swap
+    trace_error: str = ""
+
+
+def act_forward(y: torch.Tensor, activation: str, clip: Optional[Tuple[float, float]]) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(y)
+    if activation == "relu6":
+        return torch.clamp(y, 0.0, 6.0)
+    if activation == "clip":
+        assert clip is not None
+        return torch.clamp(y, clip[0], clip[1])
+    return y
+
+
+class FusedConv2d(nn.Module):
+    """conv (+ folded BN) + bias (+ residual) then an activation, as one node.
+
+    forward(x, residual=None). With a compiled kernel attached (`.kernel`,
+    set by sparseconv.torch.sparsify) and a CUDA input, one sparseconv kernel
+    computes it all; otherwise torch does (F.conv2d, add, activation), in the
+    input's dtype: the reference path CPU tests compare against."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, stride: Tuple[int, int],
+                 padding: Tuple[int, int], dilation: Tuple[int, int], groups: int, activation: str = "none",
+                 clip: Optional[Tuple[float, float]] = None, residual: bool = False, name: str = "conv",
+                 fused: Tuple[str, ...] = ()) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if (activation == "clip") != (clip is not None):
+            raise ValueError(f"{name}: clip=(lo, hi) goes with activation='clip' and only with it")
+        # Buffers, not parameters: inference only, and .double()/.cuda() still convert them.
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        self.activation, self.clip, self.residual = activation, clip, residual
+        self.layer_name, self.fused = name, fused
+        self.kernel: Any = None      # a sparseconv Conv2dKernel, attached after compiling
+        self._streams: Dict[int, Any] = {}
+
+    def reference(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The chain in torch, in x's dtype."""
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        y = F.conv2d(x, self.weight.to(x.dtype), b, self.stride, self.padding, self.dilation, self.groups)
+        if residual is not None:
+            y = y + residual
+        return act_forward(y, self.activation, self.clip)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.residual != (residual is not None):
+            raise TypeError(f"{self.layer_name}: this fused conv {'takes' if self.residual else 'takes no'} "
+                            "residual input")
+        if self.kernel is None or not x.is_cuda:
+            return self.reference(x, residual)
+        return self._run_kernel(x, residual)
+
+    def _cupy_stream(self, device: torch.device) -> Any:
+        from . import runtime
+
+        stream = torch.cuda.current_stream(device)
+        if stream.cuda_stream not in self._streams:  # cached: one wrapper per torch stream
+            self._streams[stream.cuda_stream] = runtime.as_cupy_stream(stream, device.index, self.layer_name)
+        return self._streams[stream.cuda_stream]
+
+    def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        import cupy
+
+        s = self.kernel.shape
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{self.layer_name}: sparseconv kernels are inference-only (no backward); run the "
+                               "model under torch.no_grad() or torch.inference_mode()")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{self.layer_name}: expected a float32 CUDA tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
+            raise ValueError(f"{self.layer_name}: compiled for inputs (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
+                             f"got {tuple(x.shape)}; call sparsify again with an example of this size")
+        if x.device.index != self.kernel.device_id:
+            raise ValueError(f"{self.layer_name}: input on {x.device}, kernel loaded on "
+                             f"cuda:{self.kernel.device_id}")
+        out_shape = self.kernel.output_shape(x.shape[0])
+        if residual is not None:
+            if tuple(residual.shape) != tuple(out_shape) or residual.dtype != torch.float32 \
+                    or residual.device != x.device:
+                raise ValueError(f"{self.layer_name}: the residual must be a float32 tensor of shape "
+                                 f"{tuple(out_shape)} on {x.device}, got {residual.dtype} "
+                                 f"{tuple(residual.shape)} on {residual.device}")
+            residual = residual.detach().contiguous()
+        x = x.detach().contiguous()
+        out = torch.empty(out_shape, dtype=torch.float32, device=x.device)
+        if x.shape[0]:
+            # Zero-copy views, launched on torch's current stream: no sync, no copy,
+            # and so capturable in a CUDA graph.
+            with cupy.cuda.Device(x.device.index), self._cupy_stream(x.device):
+                kwargs = {} if residual is None else {"residual": cupy.from_dlpack(residual)}
+                self.kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out), **kwargs)
+        return out
+
+    def extra_repr(self) -> str:
+        text = (f"{self.layer_name}: {tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, groups={self.groups}, fused={'+'.join(self.fused) or 'nothing'}")
+        if self.kernel is not None:
+            text += f", backend {self.kernel.backend}"
+        return text
+
+
+# -- eligibility ---------------------------------------------------------------------------------------------------
+
+def conv_padding(conv: nn.Conv2d) -> Tuple[Optional[Tuple[int, int]], str]:
+    """Symmetric (pad_h, pad_w), or None and why not."""
+    if conv.padding_mode != "zeros":
+        return None, f"padding_mode={conv.padding_mode!r} (only 'zeros' compiles)"
+    if conv.padding == "valid":
+        return (0, 0), ""
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        if any(t % 2 for t in total):
+            return None, "padding='same' needs asymmetric padding for this kernel size"
+        return (total[0] // 2, total[1] // 2), ""
+    return (int(conv.padding[0]), int(conv.padding[1])), ""
+
+
+def sparsity_of(w: torch.Tensor) -> float:
+    return float((w == 0).sum()) / max(1, w.numel())
+
+
+def check_conv(conv: nn.Conv2d, sizes: Set[Any], min_sparsity: float,
+               dtypes: Sequence[torch.dtype]) -> Tuple[Optional[ConvShape], str]:
+    """The ConvShape this conv compiles to, or None and why it stays as it is.
+    `sizes`: the (H, W) input sizes it was called with (None: not a 4-D tensor)."""
+    w = conv.weight.detach()
+    padding, why = conv_padding(conv)
+    if not sizes:
+        why = "not called by the forward pass on example_input"
+    elif len(sizes) != 1 or None in sizes:
+        why = f"called with several input sizes {sorted(map(str, sizes))}"
+    elif w.dtype not in dtypes:
+        why = f"weight dtype {w.dtype} (only {', '.join(str(d) for d in dtypes)} compiles)"
+    elif sparsity_of(w) < min_sparsity:
+        why = f"sparsity {sparsity_of(w):.3f} < min_sparsity {min_sparsity}"
+    if why:
+        return None, why
+    (hw,) = sizes
+    assert padding is not None
+    try:
+        return shape_from_weight(w.cpu().numpy(), hw, tuple(conv.stride), padding, tuple(conv.dilation),
+                                 conv.groups), ""
+    except ValueError as exc:
+        return None, str(exc)
+
+
+def plan(model: nn.Module, example_input: torch.Tensor, min_sparsity: float = 0.0,
+         dtypes: Sequence[torch.dtype] = (torch.float32,)) -> List[ConvPlan]:
+    """Run `model` once on `example_input` (no grad) to learn each conv's input
+    size, and decide per nn.Conv2d whether it compiles (no fusion: the
+    per-module view). Works on any device."""
+    sizes: Dict[nn.Module, set] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: sizes.setdefault(mod, set()).add(
+        tuple(args[0].shape[2:]) if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 else None))
+        for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model(example_input)
+    finally:
+        for h in hooks:
+            h.remove()
+    plans, seen = [], set()
+    for name, conv in model.named_modules():
+        if not isinstance(conv, nn.Conv2d) or id(conv) in seen:
+            continue
+        seen.add(id(conv))
+        shape, why = check_conv(conv, sizes.get(conv, set()), min_sparsity, dtypes)
+        plans.append(ConvPlan(name or "conv", "kept" if why else "sparseconv", why,
+                              sparsity_of(conv.weight.detach()), shape))
+    return plans
+
+
+def unfused(conv: nn.Conv2d, shape: ConvShape, name: str) -> FusedConv2d:
+    return FusedConv2d(conv.weight, conv.bias, stride=shape.stride, padding=shape.padding,
+                       dilation=shape.dilation, groups=shape.groups, name=name)
+
+
+def swap_modules(model: nn.Module, plans: List[ConvPlan]) -> Dict[str, FusedConv2d]:
+    """The per-module path: replace each planned conv by an unfused FusedConv2d
+    in every parent that holds it; returns name -> FusedConv2d."""
+    convs = {name or "conv": m for name, m in model.named_modules()}
+    chosen = {id(convs[p.name]): unfused(convs[p.name], p.shape, p.name)
+              for p in plans if p.action == "sparseconv" and p.shape is not None}
+    for parent in model.modules():
+        for child_name, child in list(parent.named_children()):
+            if id(child) in chosen:
+                setattr(parent, child_name, chosen[id(child)])
+    return {m.layer_name: m for m in chosen.values()}
+
+
+# -- the graph passes -------------------------------------------------------------------------------------------------
+
+def fold_batchnorm(weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   bn: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Conv weight/bias with an eval-mode BatchNorm2d after it folded in:
+    w' = w * gamma / sqrt(var + eps) per output channel, b' = (b - mean) * scale + beta.
+    Computed in float64, returned in the weight's dtype; a zero weight stays zero."""
+    dtype = weight.dtype
+    var = bn.running_var.detach().double()
+    mean = bn.running_mean.detach().double()
+    gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(var)
+    beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(var)
+    scale = gamma / torch.sqrt(var + bn.eps)
+    w = weight.detach().double() * scale.reshape(-1, 1, 1, 1)
+    b = bias.detach().double() if bias is not None else torch.zeros_like(mean)
+    return w.to(dtype), ((b - mean) * scale + beta).to(dtype)
+
+
+def _activation(node: fx.Node, modules: Dict[str, nn.Module]) -> Optional[Tuple[str, Optional[Tuple[float, float]]]]:
+    """(activation, clip) when `node` applies ReLU / ReLU6 / hardtanh / clamp to
+    its first argument alone (module, function or method, in-place or not)."""
+    def bounds(lo: Any, hi: Any) -> Optional[Tuple[str, Optional[Tuple[float, float]]]]:
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in (lo, hi)):
+            return None                      # a tensor bound: not an epilogue
+        if lo is None or hi is None:
+            return ("relu", None) if hi is None and lo == 0 else None
+        if float(lo) > float(hi):
+            return None
+        return ("relu6", None) if (lo, hi) == (0, 6) else ("clip", (float(lo), float(hi)))
+
+    if node.op == "call_module":
+        m = modules.get(str(node.target))
+        if type(m) is nn.ReLU:
+            return "relu", None
+        if type(m) is nn.ReLU6:
+            return "relu6", None
+        if type(m) is nn.Hardtanh:
+            return bounds(m.min_val, m.max_val)
+        return None
+    args, kw = list(node.args[1:]), dict(node.kwargs)
+    kw.pop("inplace", None)
+    if node.op == "call_function":
+        t = node.target
+        if t in (F.relu, torch.relu, torch.relu_, F.relu_) and not args and not kw:
+            return "relu", None
+        if t is F.relu6 and not args and not kw:
+            return "relu6", None
+        if t in (F.hardtanh, F.hardtanh_):
+            vals = args + [None] * 2
+            lo = kw.pop("min_val", vals[0] if args else -1.0)
+            hi = kw.pop("max_val", vals[1] if len(args) > 1 else 1.0)
+            return bounds(lo, hi) if not kw else None
+        if t in (torch.clamp, torch.clip, torch.clamp_, torch.clip_):
+            vals = args + [None] * 2
+            lo, hi = kw.pop("min", vals[0]), kw.pop("max", vals[1])
+            return bounds(lo, hi) if not kw else None
+        return None
+    if node.op == "call_method":
+        if node.target in ("relu", "relu_") and not args and not kw:
+            return "relu", None
+        if node.target in ("clamp", "clamp_", "clip", "clip_"):
+            vals = args + [None] * 2
+            lo, hi = kw.pop("min", vals[0]), kw.pop("max", vals[1])
+            return bounds(lo, hi) if not kw else None
+    return None
+
+
+_ADDS = (operator.add, operator.iadd, torch.add)
+
+
+def _residual_operand(node: fx.Node, value: fx.Node) -> Optional[fx.Node]:
+    """The other tensor when `node` is value + other (operator.add/iadd,
+    torch.add, Tensor.add/add_ without alpha), else None."""
+    if node.op == "call_function" and node.target in _ADDS or node.op == "call_method" and node.target in ("add", "add_"):
+        if node.kwargs or len(node.args) != 2:
+            return None                      # alpha=, out=: not a plain add
+        a, b = node.args
+        if (node.target in ("add_", operator.iadd)) and a is not value:
+            return None                      # other.add_(value) writes into other: its other users would see it
+        other = b if a is value else a if b is value else None
+        if isinstance(other, fx.Node) and other is not value:
+            return other
+    return None
+
+
+def _meta(node: Any) -> Any:
+    return node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+
+
+def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether a node may write into one of its inputs (an in-place op)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method" and str(node.target).endswith("_"):
+        return True
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_") or node.target in (operator.iadd, operator.imul,
+                                                                                   operator.isub, operator.itruediv)
+    if node.op == "call_module":
+        return bool(getattr(modules.get(str(node.target)), "inplace", False))
+    return False
+
+
+def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool) -> Tuple[List[fx.Node], Dict[str, Any]]:
+    """The nodes after conv_node that fuse into it (each the only user of the
+    one before), and what they are: {"bn", "residual", "activation", "clip"}."""
+    found: Dict[str, Any] = {}
+    chain: List[fx.Node] = []
+    cur = conv_node
+    if not fuse:
+        return chain, found
+
+    def only_user(n: fx.Node) -> Optional[fx.Node]:
+        users = list(n.users)
+        return users[0] if len(users) == 1 else None
+
+    nxt = only_user(cur)
+    if nxt is not None and nxt.op == "call_module" and isinstance(modules.get(str(nxt.target)), nn.BatchNorm2d):
+        bn = modules[str(nxt.target)]
+        if not bn.training and bn.running_mean is not None and nxt.args == (cur,) and not nxt.kwargs:
+            found["bn"] = bn
+            chain.append(nxt)
+            cur = nxt
+            nxt = only_user(cur)
+    if nxt is not None:
+        other = _residual_operand(nxt, cur)
+        m_cur, m_other = _meta(cur), _meta(other)
+        # Only a same-shape add is a residual: a broadcast add (a bias map, a scalar tensor) is not.
+        if other is not None and m_cur is not None and m_other is not None and \
+                tuple(m_other.shape) == tuple(m_cur.shape) and m_other.dtype == m_cur.dtype:
+            found["residual"] = other
+            chain.append(nxt)
+            cur = nxt
+            nxt = only_user(cur)
+    if nxt is not None and nxt.args and nxt.args[0] is cur:
+        act = _activation(nxt, modules)
+        if act is not None:
+            found["activation"], found["clip"] = act
+            chain.append(nxt)
+    return chain, found
+
+
+def _between(first: fx.Node, last: fx.Node) -> List[fx.Node]:
+    """The nodes strictly between first and last in graph order."""
+    out, n = [], first.next
+    while n is not last and n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
+
+
+def _shape_prop(gm: fx.GraphModule, example_input: torch.Tensor) -> None:
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    with torch.no_grad():
+        ShapeProp(gm).propagate(example_input)
+
+
+def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0, fuse: bool = True,
+            dtypes: Sequence[torch.dtype] = (torch.float32,)) -> FrontEnd:
+    """Trace `model` (left unchanged), fold BN and fuse epilogues into
+    FusedConv2d nodes for every eligible conv; fall back to the per-module swap
+    on a deep copy when torch.fx cannot trace it. Runs the model once on
+    example_input (any device) to learn the shapes. `dtypes`: the weight dtypes
+    that count as compilable (float32 for the GPU kernels; tests also use
+    float64 to check the passes to 1e-10)."""
+    import copy
+
+    # One forward first: it also turns torch.nn.utils.prune's computed `weight`
+    # into a plain tensor, which deepcopy and tracing need.
+    with torch.no_grad():
+        model(example_input)
+    model = copy.deepcopy(model)
+    try:
+        if isinstance(model, nn.Conv2d):
+            raise TypeError("the model is a single nn.Conv2d")  # traced, it would be F.conv2d: nothing to swap
+        gm = fx.symbolic_trace(model)
+        _shape_prop(gm, example_input)
+    except Exception as exc:  # noqa: BLE001 -- any tracing failure means: per-module path
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        plans = plan(model, example_input, min_sparsity, dtypes)
+        single = isinstance(model, nn.Conv2d)
+        convs = swap_modules(model, plans)
+        if single and convs:
+            model = next(iter(convs.values()))
+        note = ("the model is one nn.Conv2d: swapped whole" if single else
+                f"not traceable by torch.fx ({error}): per-module swap, nothing fused")
+        plans = [p if p.action == "kept" else ConvPlan(p.name, p.action, note, p.sparsity, p.shape) for p in plans]
+        return FrontEnd(model, plans, convs, False, error)
+    return _rewrite(model, gm, min_sparsity, fuse, dtypes)
+
+
+def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bool,
+             dtypes: Sequence[torch.dtype]) -> FrontEnd:
+    modules = dict(gm.named_modules())
+    graph = gm.graph
+    calls: Dict[str, List[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and isinstance(modules.get(str(node.target)), nn.Conv2d):
+            calls.setdefault(str(node.target), []).append(node)
+    checked: Dict[str, Tuple[Optional[ConvShape], str]] = {}
+    for name, nodes in calls.items():
+        metas = [_meta(n.args[0]) if n.args else None for n in nodes]
+        sizes = {tuple(m.shape[2:]) if m is not None and len(m.shape) == 4 else None for m in metas}
+        checked[name] = check_conv(modules[name], sizes, min_sparsity, dtypes)
+
+    convs: Dict[str, FusedConv2d] = {}
+    fused_of: Dict[str, Tuple[str, ...]] = {}
+    for node in list(graph.nodes):
+        name = str(node.target)
+        if node.op != "call_module" or name not in checked or checked[name][0] is None or name in convs:
+            continue
+        shape = checked[name][0]
+        conv = modules[name]
+        single = len(calls[name]) == 1 and len(node.args) == 1 and not node.kwargs
+        chain, found = _chain(node, modules, fuse and single)
+        # The fused node runs where the chain ends: nothing in between may write
+        # into the conv's input or the residual in place.
+        if chain and any(_mutates(n, modules) for n in _between(node, chain[-1]) if n not in chain):
+            chain, found = [], {}
+        w, b = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
+        what: List[str] = []
+        if "bn" in found:
+            w, b = fold_batchnorm(w, b, found["bn"])
+            what.append("bn")
+        if "residual" in found:
+            what.append("add")
+        act = found.get("activation", "none")
+        if act != "none":
+            what.append(act)
+        fused = FusedConv2d(w, b, stride=shape.stride, padding=shape.padding, dilation=shape.dilation,
+                            groups=shape.groups, activation=act, clip=found.get("clip"),
+                            residual="residual" in found, name=name, fused=tuple(what))
+        gm.add_submodule(name, fused)  # replaces the conv: every call of it now runs the FusedConv2d
+        convs[name], fused_of[name] = fused, tuple(what)
+        if chain:
+            last = chain[-1]
+            with graph.inserting_before(last):
+                args = (node.args[0],) + ((found["residual"],) if "residual" in found else ())
+                new = graph.call_module(name, args)
+            new.meta = dict(last.meta)
+            last.replace_all_uses_with(new)
+            for n in reversed(chain):
+                graph.erase_node(n)
+            graph.erase_node(node)
+    graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+    plans: List[ConvPlan] = []
+    for name, conv in model.named_modules():  # the model's: the graph module holds only what it calls
+        if not isinstance(conv, nn.Conv2d):
+            continue
+        shape, why = checked.get(name, (None, "not called by the forward pass on example_input"))
+        if name in convs and len(calls[name]) > 1:
+            why = f"called {len(calls[name])} times: compiled once, nothing fused"
+        plans.append(ConvPlan(name, "sparseconv" if name in convs else "kept", why,
+                              sparsity_of(conv.weight.detach()), shape, fused_of.get(name, ())))
+    return FrontEnd(gm, plans, convs, True)

@@ -1,0 +1,382 @@
+"""Whole-network bench: time per forward of a pruned network through sparseconv
+(sparsify, fused, one CUDA graph) and through PyTorch eager and torch.compile,
+in strict fp32 and in TF32, same weights, same inputs, in one run.
+
+Every variant is timed the same way: wrapped in sparseconv.torch.CudaGraphModule
+(one CUDA graph per input shape), so a timed call is copy input in + graph
+replay + clone of the output, measured with CUDA events, median of `repeat`.
+Exactness: relative L2 and top-1 agreement of each variant's output against
+the float64 evaluation of the ORIGINAL network (BN unfolded).
+
+    sparseconv bench --network resnet50 --batch 1,64 --plot net.png
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import shlex
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import click
+
+VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
+TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
+EXACT_REL_L2 = 1e-5  # the sparseconv output must be this close to float64, or the run fails
+NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16"}
+
+
+class NetworkBenchError(Exception):
+    """A run that cannot go on (no GPU, bad argument); the CLI prints one line."""
+
+
+@dataclass(frozen=True)
+class NetworkTiming:
+    network: str
+    batch: int
+    variant: str
+    us: Optional[float]          # median µs per forward; None when the variant failed
+    rel_l2: Optional[float]      # vs the float64 original
+    top1: Optional[float]        # fraction of images whose top-1 class equals float64's
+    note: str = ""
+
+
+@dataclass
+class NetworkReport:
+    network: str
+    device: str
+    date: str
+    command: str
+    sparsity: Optional[float]
+    input_size: Tuple[int, int]
+    timings: List[NetworkTiming] = field(default_factory=list)
+    plan: Dict[str, int] = field(default_factory=dict)   # "bn+add+relu" -> how many convs, "kept" -> ...
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def failures(self) -> List[str]:
+        """Exactness failures of the sparseconv variant (the one that must be exact)."""
+        return [f"{t.network} batch {t.batch}: sparseconv relative L2 {t.rel_l2:.2e} > {EXACT_REL_L2:g}"
+                for t in self.timings if t.variant == "sparseconv" and t.rel_l2 is not None
+                and t.rel_l2 > EXACT_REL_L2]
+
+
+@contextlib.contextmanager
+def precision(tf32: bool) -> Iterator[None]:
+    """cuBLAS and cuDNN in TF32 or strict fp32 for the block (the legacy flags,
+    as sparseconv/dense.py sets them: torch refuses a mix of old and new API)."""
+    import torch
+
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = (flags[0].allow_tf32, flags[1].allow_tf32)
+        flags[0].allow_tf32 = flags[1].allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flags[0].allow_tf32, flags[1].allow_tf32 = saved
+
+
+def time_forward_us(fn: Callable[[Any], Any], x: Any, *, warmup: int = 3, repeat: int = 30) -> float:
+    """Median CUDA-event time of one call fn(x), in µs."""
+    import torch
+
+    for _ in range(warmup):
+        fn(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def exactness(y: Any, ref: Any) -> Tuple[float, float]:
+    """(relative L2, top-1 agreement) of y against the float64 reference."""
+    y64, r = y.detach().double(), ref.detach().double()
+    rel = float((y64 - r).norm() / r.norm())
+    top1 = float((y64.reshape(len(y64), -1).argmax(1) == r.reshape(len(r), -1).argmax(1)).double().mean())
+    return rel, top1
+
+
+def check_network_name(network: str) -> None:
+    if network.endswith(".onnx"):
+        raise NetworkBenchError(f"network {network}: ONNX networks are not supported by the network bench yet; "
+                                f"built in: {', '.join(NAMES)}")
+    if network not in NAMES:
+        raise NetworkBenchError(f"unknown network {network!r}; built in: {', '.join(NAMES)}")
+
+
+def _network(network: Union[str, Any], sparsity: float, seed: int) -> Tuple[str, Any]:
+    from torch import nn
+
+    from .zoo_torch import build_network
+
+    if isinstance(network, nn.Module):
+        return type(network).__name__, network.eval()
+    check_network_name(network)
+    return NAMES[network], build_network(network, sparsity=sparsity, seed=seed)
+
+
+def _plan_summary(plans: Sequence[Any]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for p in plans:
+        key = p.action if p.action != "sparseconv" else "+".join(p.fused) or "plain"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
+                      sparsity: float = 0.9, input_size: Tuple[int, int] = (224, 224), seed: int = 0,
+                      variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
+                      progress: bool = True, command: str = "") -> NetworkReport:
+    """Time `network` ("resnet50", "vgg16" with every conv pruned to
+    `sparsity`, or an nn.Module timed as given) per forward at each batch size,
+    for each variant, on the current CUDA device. A variant that fails (e.g.
+    torch.compile without a working inductor) is reported with its error, not
+    raised; sparseconv's own failures are raised."""
+    import torch
+
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise NetworkBenchError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if not batches or any(b < 1 for b in batches):
+        raise NetworkBenchError(f"batch sizes must be positive, got {list(batches)}")
+    if isinstance(network, str):
+        check_network_name(network)
+    if not torch.cuda.is_available():
+        raise NetworkBenchError("no CUDA device: the network bench times on the GPU")
+    import torch._inductor.config as inductor_config
+
+    freezing = inductor_config.freezing
+    try:
+        return _run(network, batches, sparsity, input_size, seed, variants, repeat, cache_dir, progress, command)
+    finally:
+        inductor_config.freezing = freezing
+
+
+def _run(network: Union[str, Any], batches: Sequence[int], sparsity: float, input_size: Tuple[int, int], seed: int,
+         variants: Sequence[str], repeat: int, cache_dir: Optional[str], progress: bool,
+         command: str) -> NetworkReport:
+    import torch
+
+    from .torch import CudaGraphModule, sparsify
+
+    name, net = _network(network, sparsity, seed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    net = net.to(device).eval()
+    report = NetworkReport(name, torch.cuda.get_device_name(device), time.strftime("%Y-%m-%d"), command,
+                           None if not isinstance(network, str) else sparsity, tuple(input_size))
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    inputs = {b: torch.randn(b, 3, *input_size, generator=gen).to(device) for b in batches}
+    with torch.no_grad():
+        ref64 = copy.deepcopy(net).double()
+        refs = {b: ref64(x.double()) for b, x in inputs.items()}
+        del ref64
+    torch.cuda.empty_cache()
+
+    for variant in variants:
+        def say(msg: str) -> None:
+            if progress:
+                click.echo(f"[{name} {variant}] {msg}", err=True)
+
+        with precision(TF32[variant]), torch.no_grad():
+            model, error = None, ""
+            try:
+                if variant == "sparseconv":
+                    model = sparsify(net, inputs[batches[0]][:1], cuda_graph=True, cache_dir=cache_dir,
+                                     progress=progress)
+                    report.plan = _plan_summary(model.sparseconv_plan)
+                else:
+                    module = copy.deepcopy(net)
+                    if variant.startswith("compile"):
+                        import torch._dynamo
+                        import torch._inductor.config as inductor_config
+
+                        torch._dynamo.reset()
+                        inductor_config.freezing = True  # folds BN into the convs, as sparseconv does
+                        module = torch.compile(module, dynamic=False)
+                    model = CudaGraphModule(module)
+            except Exception as exc:  # noqa: BLE001 -- a baseline that cannot run is reported, not fatal
+                if variant == "sparseconv":
+                    raise
+                error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            for b in batches:
+                if model is None:
+                    report.timings.append(NetworkTiming(name, b, variant, None, None, None, error))
+                    continue
+                try:
+                    say(f"batch {b}")
+                    y = model(inputs[b])
+                    rel, top1 = exactness(y, refs[b])
+                    us = time_forward_us(model, inputs[b], repeat=repeat)
+                    report.timings.append(NetworkTiming(name, b, variant, us, rel, top1))
+                except Exception as exc:  # noqa: BLE001
+                    if variant == "sparseconv":
+                        raise
+                    report.timings.append(NetworkTiming(name, b, variant, None, None, None,
+                                                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+            del model
+            torch.cuda.empty_cache()
+    return report
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+
+def _fmt_us(us: Optional[float]) -> str:
+    return "–" if us is None else f"{us:,.0f}"
+
+
+def format_table(reports: Sequence[NetworkReport]) -> str:
+    """Markdown: µs per forward per variant (and sparseconv's speed-up over
+    each), then the exactness of every variant."""
+    cols = [v for v in VARIANTS if any(t.variant == v for r in reports for t in r.timings)]
+    lines = ["| network, batch | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    rows: Dict[Tuple[str, int], Dict[str, NetworkTiming]] = {}
+    for r in reports:
+        for t in r.timings:
+            rows.setdefault((t.network, t.batch), {})[t.variant] = t
+    for (net, batch), by in rows.items():
+        ours = by.get("sparseconv")
+        cells = []
+        for v in cols:
+            t = by.get(v)
+            cell = _fmt_us(t.us if t else None)
+            if v != "sparseconv" and t and t.us and ours and ours.us:
+                cell += f" ({t.us / ours.us:.2f}×)"
+            cells.append(cell)
+        lines.append(f"| {net}, {batch} | " + " | ".join(cells) + " |")
+    lines += ["", "µs per forward (CUDA-graph replays, median); (n×): that time over sparseconv's, above 1 "
+              "means sparseconv is faster.", "",
+              "| network, batch | " + " | ".join(f"{v} rel. L2 / top-1" for v in cols) + " |",
+              "|---|" + "---|" * len(cols)]
+    for (net, batch), by in rows.items():
+        cells = []
+        for v in cols:
+            t = by.get(v)
+            cells.append("–" if t is None or t.rel_l2 is None else f"{t.rel_l2:.1e} / {100 * (t.top1 or 0):.0f}%")
+        lines.append(f"| {net}, {batch} | " + " | ".join(cells) + " |")
+    notes = [f"- {t.network} batch {t.batch} {t.variant}: {t.note}" for r in reports for t in r.timings if t.note]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def plot_report(report: NetworkReport, path: Union[str, Path]) -> Path:
+    """A PNG bar chart, one panel per batch size: µs per forward of each
+    variant (linear axis), each fp32 bar with its TF32 twin beside it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise NetworkBenchError("the PNG plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({t.batch for t in report.timings})
+    variants = [v for v in VARIANTS if any(t.variant == v for t in report.timings)]
+    colors = {"sparseconv": "#2b8a3e", "eager fp32": "#1864ab", "eager TF32": "#74c0fc",
+              "compile fp32": "#c92a2a", "compile TF32": "#ffa8a8"}
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.6 * len(batches), 4.4), squeeze=False,
+                             constrained_layout=True)
+    for ax, batch in zip(axes[0], batches):
+        by = {t.variant: t for t in report.timings if t.batch == batch}
+        heights = [by[v].us if v in by and by[v].us is not None else 0.0 for v in variants]
+        bars = ax.bar(range(len(variants)), heights, color=[colors[v] for v in variants],
+                      hatch=None, edgecolor="black", linewidth=0.5)
+        for bar, v, h in zip(bars, variants, heights):
+            if "TF32" in v:
+                bar.set_hatch("//")
+            ax.annotate("failed" if h == 0 else f"{h:,.0f}", (bar.get_x() + bar.get_width() / 2, h),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(range(len(variants)))
+        ax.set_xticklabels([v.replace(" ", "\n") for v in variants], fontsize=8)
+        ax.set_title(f"{report.network}, batch {batch}", fontsize=10)
+        ax.set_ylabel("µs per forward (lower is better)")
+        ax.set_ylim(0, max(heights + [1.0]) * 1.15)
+    sparsity = "" if report.sparsity is None else f", {report.sparsity:.0%} unstructured sparsity"
+    fig.suptitle(f"{report.network}{sparsity}: {report.device}, {report.date}", fontsize=10)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------------
+
+def parse_batches(text: str) -> Tuple[int, ...]:
+    try:
+        out = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise click.BadParameter(f"must be comma-separated positive ints like 1,64, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"must be comma-separated positive ints like 1,64, got {text!r}")
+    return out
+
+
+@click.command("network")
+@click.option("--network", "network", default="resnet50", show_default=True,
+              help="Built-in network: resnet50 or vgg16 (ONNX files: not yet).")
+@click.option("--batch", "batch_text", default="1,64", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=0.9, show_default=True,
+              help="Every conv is pruned to this fraction of zeros (by magnitude).")
+@click.option("--input-size", "input_text", default="224", show_default=True, help="Input H x W, e.g. 224 or 224x192.")
+@click.option("--variants", "variant_text", default=",".join(VARIANTS), show_default=True,
+              help="Comma-separated subset of the variants to time.")
+@click.option("--repeat", type=click.IntRange(1), default=30, show_default=True, help="Timed calls per variant.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the report as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG bar chart here (needs matplotlib).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+def network_command(network: str, batch_text: str, sparsity: float, input_text: str, variant_text: str, repeat: int,
+                    json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path]) -> None:
+    """Time a whole pruned network per forward: sparseconv vs PyTorch eager and torch.compile (fp32, TF32)."""
+    from .cli_options import parse_size
+
+    batches = parse_batches(batch_text)
+    size = parse_size(input_text, "--input-size")
+    variants = [v.strip() for v in variant_text.split(",") if v.strip()]
+    try:
+        check_network_name(network)
+    except NetworkBenchError as exc:
+        raise click.BadParameter(str(exc), param_hint="--network") from None
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise click.BadParameter(f"unknown {', '.join(bad)}; known: {', '.join(VARIANTS)}", param_hint="--variants")
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    command = "sparseconv bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    try:
+        report = run_network_bench(network, batches, sparsity=sparsity, input_size=size, variants=variants,
+                                   repeat=repeat, cache_dir=None if cache_dir is None else str(cache_dir),
+                                   command=command)
+    except NetworkBenchError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(format_table([report]))
+    if json_path is not None:
+        json_path.write_text(report.to_json())
+    if plot_path is not None:
+        plot_report(report, plot_path)
+        click.echo(f"plot: {plot_path}")
+    failures = report.failures()
+    if failures:
+        for f in failures:
+            click.echo(f"error: {f}", err=True)
+        sys.exit(1)

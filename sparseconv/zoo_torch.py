@@ -1,0 +1,150 @@
+"""ResNet-50 and VGG-16 as torch modules, for the whole-network bench.
+
+torchvision is not a dependency, so these are small faithful copies of
+torchvision's definitions (ResNet-50 v1.5: the stride sits in the 3x3 conv of
+each bottleneck; VGG-16 without BN, with torchvision's classifier), with the
+same parameter names and counts (25,557,032 and 138,357,544), seeded random
+weights, and every conv prunable to a given sparsity by magnitude.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int = 1, downsample: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, width * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet50(nn.Module):
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        c_in = 64
+        for i, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+            layers: List[nn.Module] = []
+            for b in range(blocks):
+                s = stride if b == 0 else 1
+                down = None
+                if b == 0 and (s != 1 or c_in != width * 4):
+                    down = nn.Sequential(nn.Conv2d(c_in, width * 4, 1, stride=s, bias=False), nn.BatchNorm2d(width * 4))
+                layers.append(Bottleneck(c_in, width, s, down))
+                c_in = width * 4
+            setattr(self, f"layer{i}", nn.Sequential(*layers))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(2048, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class VGG16(nn.Module):
+    CFG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: List[nn.Module] = []
+        c_in = 3
+        for v in self.CFG:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(c_in, int(v), 3, padding=1), nn.ReLU(inplace=True)]
+                c_in = int(v)
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(0.5),
+                                        nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(0.5),
+                                        nn.Linear(4096, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+NETWORKS: Dict[str, Callable[[], nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16}
+
+
+def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False) -> nn.Module:
+    """Zero the smallest-magnitude fraction `sparsity` of every conv's weights,
+    in place. rescale=True multiplies the survivors by 1/sqrt(1 - sparsity),
+    keeping each layer's output variance (as fine-tuning after pruning would),
+    so a deep random network does not fade to its biases."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                w = m.weight
+                k = int(round(sparsity * w.numel()))
+                if k:
+                    order = torch.argsort(w.abs().flatten(), stable=True)
+                    w.view(-1)[order[:k]] = 0.0
+                    if rescale:
+                        w.mul_(1.0 / (1.0 - sparsity) ** 0.5)
+    return model
+
+
+def build_network(name: str, *, sparsity: float = 0.9, seed: int = 0) -> nn.Module:
+    """A built-in network in eval mode with seeded random weights: torchvision's
+    init (Kaiming normal convs, N(0, 0.01) linears), every conv pruned to
+    `sparsity` by magnitude (survivors rescaled), then BN statistics measured on
+    a random batch and random BN affine parameters, so folding them matters and
+    the logits are far from ties (top-1 agreement means something)."""
+    if name not in NETWORKS:
+        raise ValueError(f"unknown network {name!r}; built in: {', '.join(NETWORKS)}")
+    rng_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = NETWORKS[name]()
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, nn.Conv2d):
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+                elif isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, 0, 0.01)
+                    nn.init.zeros_(m.bias)
+        prune_convs_(model, sparsity, rescale=True)
+        bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+        if bns:
+            for m in bns:
+                m.momentum = None            # cumulative average over the calibration batch
+            model.train()
+            with torch.no_grad():
+                model(torch.randn(4, 3, 64, 64))
+                for m in bns:
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.2, 0.2)
+                    m.momentum = 0.1
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return model.eval()

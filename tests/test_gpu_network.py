@@ -1,0 +1,52 @@
+"""GPU: the whole-network bench end to end on small inputs (every variant,
+exactness of sparseconv vs the float64 original, the table and the plot)."""
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.c2, self.b2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.b2(self.c2(x)) + x)
+        return self.fc(x.mean((2, 3)))
+
+
+def test_tiny_network_bench_runs_every_variant(session_cache_dir, tmp_path):
+    from sparseconv.network_bench import VARIANTS, format_table, plot_report, run_network_bench
+    from sparseconv.zoo_torch import prune_convs_
+
+    net = prune_convs_(Tiny(), 0.9).eval()
+    report = run_network_bench(net, (1, 4), input_size=(16, 16), repeat=3, cache_dir=str(session_cache_dir),
+                               progress=False)
+    assert report.plan == {"bn+relu": 1, "bn+add+relu": 1}
+    got = {(t.variant, t.batch): t for t in report.timings}
+    assert set(got) == {(v, b) for v in VARIANTS for b in (1, 4)}
+    for b in (1, 4):
+        ours = got["sparseconv", b]
+        assert ours.us > 0 and ours.rel_l2 <= 1e-5 and ours.top1 == 1.0
+        assert got["eager fp32", b].rel_l2 <= 1e-5
+    assert report.failures() == []
+    text = format_table([report])
+    assert "| Tiny, 4 |" in text
+    pytest.importorskip("matplotlib")
+    assert plot_report(report, tmp_path / "tiny.png").stat().st_size > 0
+
+
+def test_built_in_vgg16_small_input(session_cache_dir):
+    from sparseconv.network_bench import run_network_bench
+
+    report = run_network_bench("vgg16", (2,), input_size=(32, 32), variants=["sparseconv", "eager fp32"],
+                               repeat=3, cache_dir=str(session_cache_dir), progress=False)
+    assert report.plan == {"relu": 13}
+    (ours,) = [t for t in report.timings if t.variant == "sparseconv"]
+    assert ours.rel_l2 <= 1e-5 and ours.top1 == 1.0

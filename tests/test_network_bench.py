@@ -1,0 +1,140 @@
+"""CPU: the whole-network bench's networks, pruning, report, table, plot and CLI
+checks (the timing itself needs a GPU: tests/test_gpu_network.py)."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+from torch import nn  # noqa: E402
+
+from sparseconv.network_bench import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
+                                      format_table, network_command, parse_batches, plot_report,
+                                      run_network_bench)
+from sparseconv.zoo_torch import ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_resnet50_matches_torchvision_in_size_and_output_shape():
+    m = ResNet50().eval()
+    assert n_params(m) == 25_557_032
+    convs = [c for c in m.modules() if isinstance(c, nn.Conv2d)]
+    assert len(convs) == 53 and sum(isinstance(b, nn.BatchNorm2d) for b in m.modules()) == 53
+    # torchvision's parameter names, so its state dicts would load
+    names = dict(m.named_parameters())
+    assert "layer1.0.downsample.0.weight" in names and "layer4.2.bn3.bias" in names and "fc.weight" in names
+    assert m.layer2[0].conv2.stride == (2, 2) and m.layer2[0].conv1.stride == (1, 1)  # v1.5
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_vgg16_matches_torchvision_in_size_and_output_shape():
+    m = VGG16().eval()
+    assert n_params(m) == 138_357_544
+    assert sum(isinstance(c, nn.Conv2d) for c in m.modules()) == 13
+    assert not any(isinstance(b, nn.BatchNorm2d) for b in m.modules())
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 32, 32)).shape == (1, 1000)  # adaptive pooling to 7x7 as torchvision
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_pruning_hits_the_sparsity_in_every_conv_by_magnitude(sparsity):
+    m = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Conv2d(16, 32, 1))
+    before = [c.weight.detach().clone() for c in m]
+    prune_convs_(m, sparsity)
+    for c, w in zip(m, before):
+        zero = c.weight == 0
+        assert abs(float(zero.double().mean()) - sparsity) <= 1.0 / w.numel()
+        assert float(w.abs()[zero].max()) <= float(w.abs()[~zero].min())  # the smallest went
+        assert torch.equal(c.weight[~zero], w[~zero])
+
+
+def test_built_in_network_is_pruned_seeded_and_in_eval_mode():
+    a, b = build_network("resnet50", sparsity=0.9, seed=3), build_network("resnet50", sparsity=0.9, seed=3)
+    assert not a.training
+    assert torch.equal(a.layer3[1].conv2.weight, b.layer3[1].conv2.weight)
+    assert torch.equal(a.layer3[1].bn2.running_var, b.layer3[1].bn2.running_var)
+    for c in a.modules():
+        if isinstance(c, nn.Conv2d):
+            assert abs(float((c.weight == 0).double().mean()) - 0.9) < 1e-3
+    with torch.no_grad():
+        y = a(torch.randn(2, 3, 64, 64))
+    assert torch.isfinite(y).all() and float(y.std()) > 0
+    with pytest.raises(ValueError, match="unknown network 'alexnet'"):
+        build_network("alexnet")
+
+
+def test_exactness_is_relative_l2_and_top1_agreement():
+    ref = torch.tensor([[0.0, 1.0, 0.5], [2.0, 0.0, 1.0]], dtype=torch.float64)
+    y = ref.float().clone()
+    y[1, 1] = 3.0  # image 1's top-1 changes
+    rel, top1 = exactness(y, ref)
+    assert abs(rel - 3.0 / float(ref.norm())) < 1e-7 and top1 == 0.5
+
+
+def _report():
+    r = NetworkReport("ResNet-50", "NVIDIA H100", "2026-11-23", "sparseconv bench --network resnet50", 0.9,
+                      (224, 224), plan={"bn+relu": 33, "bn+add+relu": 16, "bn": 4})
+    for batch, times in [(1, [400.0, 2191.0, 906.0, 2209.0, 530.0]), (64, [5000.0, 20028.0, 10876.0, None, 6999.0])]:
+        for v, us in zip(["sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32"], times):
+            tf32 = "TF32" in v
+            r.timings.append(NetworkTiming("ResNet-50", batch, v, us, None if us is None else (5e-4 if tf32 else 4e-7),
+                                           None if us is None else 1.0,
+                                           "RuntimeError: inductor failed" if us is None else ""))
+    return r
+
+
+def test_table_has_times_speedups_exactness_and_failures():
+    text = format_table([_report()])
+    assert "| network, batch | sparseconv | eager fp32 | eager TF32 | compile fp32 | compile TF32 |" in text
+    assert "| ResNet-50, 1 | 400 | 2,191 (5.48×) | 906 (2.27×) | 2,209 (5.52×) | 530 (1.32×) |" in text
+    assert "| ResNet-50, 64 | 5,000 | 20,028 (4.01×) | 10,876 (2.18×) | – | 6,999 (1.40×) |" in text
+    assert "4.0e-07 / 100%" in text and "5.0e-04 / 100%" in text
+    assert "ResNet-50 batch 64 compile fp32: RuntimeError: inductor failed" in text
+
+
+def test_report_json_round_trips_and_flags_inexact_sparseconv():
+    r = _report()
+    data = json.loads(r.to_json())
+    assert data["plan"]["bn+add+relu"] == 16 and len(data["timings"]) == 10
+    assert r.failures() == []
+    r.timings.append(NetworkTiming("ResNet-50", 2, "sparseconv", 1.0, 3e-5, 1.0))
+    assert r.failures() == ["ResNet-50 batch 2: sparseconv relative L2 3.00e-05 > 1e-05"]
+
+
+def test_plot_writes_one_panel_per_batch(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    path = plot_report(_report(), tmp_path / "net.png")
+    with Image.open(path) as im:
+        w, h = im.size
+    assert w > 1.5 * h  # two panels side by side
+
+
+def test_parse_batches():
+    assert parse_batches("1,64") == (1, 64)
+    with pytest.raises(Exception, match="positive ints"):
+        parse_batches("0,4")
+
+
+def test_cli_refuses_unknown_networks_and_variants_with_usage_errors():
+    runner = CliRunner()
+    r = runner.invoke(network_command, ["--network", "alexnet"])
+    assert r.exit_code == 2 and "unknown network 'alexnet'" in r.output
+    r = runner.invoke(network_command, ["--network", "m.onnx"])
+    assert r.exit_code == 2 and "not supported by the network bench yet" in r.output
+    r = runner.invoke(network_command, ["--variants", "eager fp16"])
+    assert r.exit_code == 2 and "unknown eager fp16" in r.output
+    r = runner.invoke(network_command, ["--batch", "x"])
+    assert r.exit_code == 2
+
+
+def test_run_refuses_bad_arguments_before_building():
+    with pytest.raises(NetworkBenchError, match="unknown variant"):
+        run_network_bench("resnet50", variants=["sparseconv", "fast"])
+    with pytest.raises(NetworkBenchError, match="unknown network"):
+        run_network_bench("alexnet")
