@@ -174,3 +174,91 @@ def test_call_time_checks(session_cache_dir):
     with pytest.raises(TypeError, match="stream"):
         conv(good, stream="default")
     assert conv(good[:0]).shape == (0, 4, 4, 4)
+
+
+# --------------------------------------------------------------------------- kernel families, split variants, epilogues
+
+FAMILY_LAYERS = {
+    # name: ConvShape args (C, K, H, W, R, S, stride, padding): real-network classes
+    "pointwise_56": (64, 256, 56, 56, 1, 1, (1, 1), (0, 0)),          # ResNet layer1 1x1
+    "pointwise_downsample_s2": (512, 1024, 28, 28, 1, 1, (2, 2), (0, 0)),
+    "pointwise_deep_7x7": (2048, 512, 7, 7, 1, 1, (1, 1), (0, 0)),    # split variant at small batch
+    "pointwise_padded": (24, 40, 9, 9, 1, 1, (1, 1), (1, 1)),
+    "pointwise_odd_channels": (37, 19, 11, 13, 1, 1, (1, 1), (0, 0)),
+    "direct_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),        # split variant at small batch
+    "direct_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
+}
+
+
+def _family_shape(name):
+    from sparseconv.shapes import ConvShape
+
+    c, k, h, w, r, s, st, pad = FAMILY_LAYERS[name]
+    return ConvShape(c, k, h, w, r, s, st, pad)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_LAYERS))
+def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
+    """Each layer class through its default family, at batch sizes that take
+    the split variant (where the layer has one) and the unsplit one."""
+    rng = np.random.default_rng()
+    s = _family_shape(name)
+    w = pruned_weight(rng, s.weight_shape, 0.9, zero_channels=1)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride, padding=s.padding,
+                                     cache_dir=str(session_cache_dir), name=name)
+    if s.kernel_h == 1:
+        assert conv.layer.tiling.family == "pointwise"
+    variants = conv.stats.get("variants")
+    batches = (1, 2, 33) if variants else (1, 5)
+    for batch in batches:
+        run_and_check(conv, w, bias, s, batch, rng)
+    if "deep" in name:
+        assert variants and variants[0]["up_to_batch"] >= 1, "a deep small layer gets a split variant"
+
+
+@pytest.mark.parametrize("activation,clip", [("relu", None), ("relu6", None), ("clip", (-0.3, 0.4))])
+@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "direct_14x14", "pointwise_56"])
+def test_fused_epilogue_residual_and_activation(name, activation, clip, session_cache_dir):
+    """y = act(conv(x) + bias + residual), against float64, through both
+    variants of a split layer; residual may be the output buffer itself."""
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    s = _family_shape(name)
+    w = pruned_weight(rng, s.weight_shape, 0.9)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride, padding=s.padding,
+                                     activation=activation, clip=clip, residual=True,
+                                     cache_dir=str(session_cache_dir), name=f"{name}-{activation}")
+    lo, hi = {"relu": (0.0, None), "relu6": (0.0, 6.0), "clip": clip}[activation]
+    for batch in (1, 9):
+        x = cp.asarray(rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
+        r = cp.asarray(rng.standard_normal(conv.output_shape(batch)).astype(np.float32))
+        ref = conv2d_reference(x, cp.asarray(w), cp.asarray(bias), s.stride, s.padding, xp=cp) + r
+        ref = cp.maximum(ref, lo) if lo is not None else ref
+        ref = cp.minimum(ref, hi) if hi is not None else ref
+        y = conv(x, residual=r)
+        assert relative_l2(y, ref, xp=cp) <= TOL
+        inplace = r.copy()
+        conv(x, out=inplace, residual=inplace)  # the residual's buffer as the output
+        assert relative_l2(inplace, ref, xp=cp) <= TOL
+    with pytest.raises(ValueError, match="residual"):
+        conv(x)
+
+
+def test_split_reduction_is_deterministic(session_cache_dir):
+    """The slices are added in a fixed order: the same input gives bit-identical
+    outputs run after run."""
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    s = _family_shape("pointwise_deep_7x7")
+    w = pruned_weight(rng, s.weight_shape, 0.9)
+    conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), cache_dir=str(session_cache_dir),
+                                     name="determinism")
+    assert conv.variant(1)[1].tiling.slices > 1
+    x = cp.asarray(rng.standard_normal((1, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
+    first = conv(x)
+    for _ in range(5):
+        assert bool((conv(x) == first).all())
