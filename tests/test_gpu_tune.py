@@ -73,7 +73,9 @@ def test_sparsify_reports_dense_layers(tmp_path):
     fast = sct.sparsify(net, x, backend="auto", tune_batch=16, cache_dir=str(tmp_path))
     plan = {p.name: p for p in fast.sparseconv_plan}
     assert {plan["0"].action, plan["2"].action} <= {"sparseconv", "dense"}
-    assert plan["0"].action == fast[0].kernel.backend and plan["2"].action == fast[2].kernel.backend
+    # the result is a torch.fx GraphModule: submodules keep the model's names
+    assert plan["0"].action == fast.get_submodule("0").kernel.backend
+    assert plan["2"].action == fast.get_submodule("2").kernel.backend
     with torch.no_grad():
         ref = net.double()(x.double())
         y = fast(x)
