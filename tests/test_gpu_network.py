@@ -22,7 +22,7 @@ class Tiny(nn.Module):
 
 
 def test_tiny_network_bench_runs_every_variant(session_cache_dir, tmp_path):
-    from sparseconv.network_bench import VARIANTS, format_table, plot_report, run_network_bench
+    from sparseconv.benchmark.network import VARIANTS, format_table, plot_report, run_network_bench
     from sparseconv.zoo_torch import prune_convs_
 
     net = prune_convs_(Tiny(), 0.9).eval()
@@ -43,7 +43,7 @@ def test_tiny_network_bench_runs_every_variant(session_cache_dir, tmp_path):
 
 
 def test_built_in_vgg16_small_input(session_cache_dir):
-    from sparseconv.network_bench import run_network_bench
+    from sparseconv.benchmark.network import run_network_bench
 
     report = run_network_bench("vgg16", (2,), input_size=(32, 32), variants=["sparseconv", "eager fp32"],
                                repeat=3, cache_dir=str(session_cache_dir), progress=False)

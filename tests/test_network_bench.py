@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 from torch import nn  # noqa: E402
 
-from sparseconv.network_bench import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
+from sparseconv.benchmark.network import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
                                       format_table, network_command, parse_batches, plot_report,
                                       run_network_bench)
 from sparseconv.zoo_torch import ResNet50, VGG16, build_network, prune_convs_  # noqa: E402

@@ -14,6 +14,8 @@ import click
 
 from ..cli_options import cache_dir_option, format_option, input_size_option, load_model_or_exit, spec_option
 from ..compile import CompileError, ToolNotFoundError
+from .network import VARIANTS as NETWORK_VARIANTS
+from .network import network_command
 from .report import BenchResult, format_table, plot_sweep, require_matplotlib
 from .rows import BASELINES, BenchError
 from .run import BenchConfig, BenchLayer, benchmark_layers, model_bench_layers, run_bench, select_layers
@@ -69,6 +71,11 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 
 
 @click.command()
+@click.option("--network", default=None,
+              help="Time a whole pruned network per forward instead (resnet50 or vgg16): sparseconv vs PyTorch "
+                   "eager and torch.compile, fp32 and TF32 (see sparseconv/benchmark/network.py).")
+@click.option("--variants", "variant_text", default=",".join(NETWORK_VARIANTS), show_default=True,
+              help="With --network: which of " + ", ".join(NETWORK_VARIANTS) + " to time.")
 @click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Time this model's conv layers, with its own weights, instead of the 10 benchmark layers.")
 @format_option
@@ -98,7 +105,8 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
               help="Write a PNG of speedup over cuDNN fp32 against sparsity (needs a sweep and matplotlib).")
 @cache_dir_option
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel kernel builds (default: CPU count).")
-def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
+@click.pass_context
+def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
           layer_globs: str, sparsity: Optional[str], sweep: bool, batches: Tuple[int, ...], baselines_text: str,
           repeat: int, max_seconds: float, graphs: bool, cudnn_benchmark: bool, seed: int,
           json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path],
@@ -114,7 +122,20 @@ def bench(model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Pa
         sparseconv bench --batch 64 --json bench.json
         sparseconv bench --sweep --layers 'resnet-*,vgg-conv1' --plot sweep.png
         sparseconv bench --model models/lenet_digits_pruned.onnx --batch 256
+        sparseconv bench --network resnet50 --batch 1 --batch 64 --plot resnet50.png
     """
+    if network is not None:
+        if model_path is not None or sweep:
+            raise click.UsageError("--network times a whole network: leave out --model and --sweep")
+        try:
+            sparsity_value = float(sparsity) if sparsity is not None else 0.9
+        except ValueError:
+            raise click.BadParameter(f"one sparsity with --network, got {sparsity!r}", param_hint="--sparsity") \
+                from None
+        ctx.invoke(network_command, network=network, batch_text=",".join(map(str, batches or (1, 64))),
+                   sparsity=sparsity_value, input_text=input_size or "224", variant_text=variant_text,
+                   repeat=min(repeat, 30), json_path=json_path, plot_path=plot_path, cache_dir=cache_dir)
+        return
     sparsities = _sparsities(model_path, sparsity, sweep)
     try:
         baselines = parse_baselines(baselines_text)

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import click
 
+from ..cli_options import parse_size
+
 VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
 TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
 EXACT_REL_L2 = 1e-5  # the sparseconv output must be this close to float64, or the run fails
@@ -124,7 +126,7 @@ def check_network_name(network: str) -> None:
 def _network(network: Union[str, Any], sparsity: float, seed: int) -> Tuple[str, Any]:
     from torch import nn
 
-    from .zoo_torch import build_network
+    from ..zoo_torch import build_network  # torch: imported when a network is built
 
     if isinstance(network, nn.Module):
         return type(network).__name__, network.eval()
@@ -174,7 +176,7 @@ def _run(network: Union[str, Any], batches: Sequence[int], sparsity: float, inpu
          command: str) -> NetworkReport:
     import torch
 
-    from .torch import CudaGraphModule, sparsify
+    from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
 
     name, net = _network(network, sparsity, seed)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -344,7 +346,6 @@ def parse_batches(text: str) -> Tuple[int, ...]:
 def network_command(network: str, batch_text: str, sparsity: float, input_text: str, variant_text: str, repeat: int,
                     json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path]) -> None:
     """Time a whole pruned network per forward: sparseconv vs PyTorch eager and torch.compile (fp32, TF32)."""
-    from .cli_options import parse_size
 
     batches = parse_batches(batch_text)
     size = parse_size(input_text, "--input-size")
