@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .dense import torch_flags
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -31,7 +32,7 @@ class ConvPlan:
     """What the front end does with one nn.Conv2d: compile it, or keep it and why."""
 
     name: str
-    action: str                  # "sparseconv", "dense" (backend="auto" measured cuDNN faster) or "kept"
+    action: str                  # "sparseconv", "dense" (cuDNN measured faster), "mixed" (by batch size) or "kept"
     reason: str                  # why it was kept, or how it was handled ("" when plainly compiled)
     sparsity: float
     shape: Optional[ConvShape]   # None when the conv cannot be compiled
@@ -85,6 +86,10 @@ class FusedConv2d(nn.Module):
         self.activation, self.clip, self.residual = activation, clip, residual
         self.layer_name, self.fused = name, fused
         self.kernel: Any = None      # a sparseconv Conv2dKernel, attached after compiling
+        # (up to batch size, "sparseconv" or "dense"), ascending, the last for any
+        # batch: which path runs a CUDA input of that batch (set by
+        # sparseconv.torch.sparsify from measurements). Empty: the kernel always.
+        self.route: List[Tuple[int, str]] = []
         self._streams: Dict[int, Any] = {}
 
     def reference(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -101,7 +106,22 @@ class FusedConv2d(nn.Module):
                             "residual input")
         if self.kernel is None or not x.is_cuda:
             return self.reference(x, residual)
+        if self.path(x.shape[0]) == "dense":
+            return self._run_dense(x, residual)
         return self._run_kernel(x, residual)
+
+    def path(self, batch: int) -> str:
+        """"sparseconv" or "dense": the path a CUDA input of this batch size takes."""
+        for up_to, path in self.route:
+            if batch <= up_to:
+                return path
+        return "sparseconv"
+
+    def _run_dense(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """cuDNN in strict fp32 (TF32 off whatever the global setting), where it
+        measured faster than the kernel at this batch size."""
+        with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
+            return self.reference(x.detach(), None if residual is None else residual.detach())
 
     def _cupy_stream(self, device: torch.device) -> Any:
         from . import runtime
@@ -149,6 +169,8 @@ class FusedConv2d(nn.Module):
                 f"dilation={self.dilation}, groups={self.groups}, fused={'+'.join(self.fused) or 'nothing'}")
         if self.kernel is not None:
             text += f", backend {self.kernel.backend}"
+        if self.route:
+            text += ", route " + ", ".join(f"<={u}: {p}" if u < 1 << 62 else f"else {p}" for u, p in self.route)
         return text
 
 

@@ -18,8 +18,9 @@ only: the kernels have no backward, so an input that requires grad is refused.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from .api import compile_layers
 from .fx import ConvPlan, FusedConv2d, conv_padding, plan, prepare, swap_modules
-from .shapes import Epilogue
+from .shapes import ANY_BATCH, Epilogue
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
@@ -98,10 +99,63 @@ def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: O
                           jobs=jobs, progress=progress, epilogues=epilogues)
 
 
+def route_from_choices(choices: Sequence[Tuple[int, str]]) -> List[Tuple[int, str]]:
+    """[(measured batch, faster path), ...] ascending -> a route [(up to batch,
+    path), ...]: a batch between two measured ones takes the path of the
+    nearer one (geometric midpoint), the last entry serves any larger batch,
+    neighbours with the same path merge."""
+    route: List[Tuple[int, str]] = []
+    for j, (b, path) in enumerate(choices):
+        up_to = ANY_BATCH if j == len(choices) - 1 else int(math.sqrt(b * choices[j + 1][0]))
+        if route and route[-1][1] == path:
+            route[-1] = (up_to, path)
+        else:
+            route.append((up_to, path))
+    return route
+
+
+def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device: torch.device,
+                   progress: bool = False) -> Dict[str, str]:
+    """Time each compiled conv at each batch size through both paths, its
+    sparseconv kernel and cuDNN in strict fp32, epilogue included, by CUDA-graph
+    replays; set its route so each batch size runs the faster one (a batch
+    between two measured ones takes the nearer one's, geometrically).
+    Returns name -> the measurements and the choice, as text for the plan."""
+    import click
+
+    from .timing import time_gpu, torch_graph
+
+    sizes = sorted(set(int(b) for b in batches))
+    notes: Dict[str, str] = {}
+    items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]
+    for i, (name, m) in enumerate(items):
+        if progress:
+            click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
+        s = m.kernel.shape
+        decided: List[Tuple[int, str]] = []
+        parts = []
+        for b in sizes:
+            x = torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
+            r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+            us = {}
+            for path in ("sparseconv", "dense"):
+                m.route = [(ANY_BATCH, path)]
+                us[path] = time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.2, capture=torch_graph).us
+            best = "dense" if us["dense"] < us["sparseconv"] else "sparseconv"
+            decided.append((b, best))
+            parts.append(f"batch {b}: sparseconv {us['sparseconv']:.1f} us, cuDNN fp32 {us['dense']:.1f} us")
+        m.route = route_from_choices(decided)
+        notes[name] = "; ".join(parts)
+    if progress and items:
+        click.echo("", err=True)
+    return notes
+
+
 def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0,
              tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
              cache_dir: Optional[str] = None, jobs: Optional[int] = None, progress: bool = True,
-             inplace: bool = False, fuse: bool = True, cuda_graph: bool = False) -> nn.Module:
+             inplace: bool = False, fuse: bool = True, cuda_graph: bool = False,
+             route_batches: Optional[Sequence[int]] = (1, 64)) -> nn.Module:
     """Return `model` with each eligible nn.Conv2d compiled to a sparseconv kernel.
 
     model and example_input must be on one CUDA device. Convs that are not
@@ -119,7 +173,14 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     itself with inplace=True). cuda_graph=True wraps it in a CudaGraphModule:
     one CUDA graph per input shape, replayed on later calls (see its doc).
     `result.sparseconv_plan` lists every conv: action ("sparseconv", "dense"
-    or "kept"), what was fused into it, and why."""
+    or "kept"), what was fused into it, and why.
+
+    route_batches (default 1 and 64): each compiled conv is timed at these
+    batch sizes through its kernel and through cuDNN in strict fp32 (epilogue
+    included, CUDA-graph replays), and each batch size then runs the faster
+    path, so a layer is never slower by default than the exact cuDNN
+    convolution at the sizes you name; the plan shows the times ("mixed":
+    the choice depends on the batch). None or () turns this off."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
     if not isinstance(example_input, torch.Tensor) or not example_input.is_cuda:
@@ -142,6 +203,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     for name, m in convs.items():
         m.to(device)
         m.kernel = kernels[name]
+    routed = route_by_batch(convs, route_batches, device, progress) if route_batches else {}
     plans = front.plans
     for i, p in enumerate(plans):
         k = kernels.get(p.name)
@@ -149,6 +211,10 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
             t = k.stats["tuning"]["times_us"]
             plans[i] = replace(p, action="dense", reason=f"cuDNN measured faster ({t[DENSE]:.1f} us vs "
                                f"{t[SPARSE_EVENTS]:.1f} us)")
+        elif p.name in routed:
+            paths = {path for _, path in convs[p.name].route}
+            action = "mixed" if len(paths) > 1 else paths.pop()
+            plans[i] = replace(p, action=action, reason=routed[p.name])
     if cuda_graph:
         result = CudaGraphModule(result)
     result.sparseconv_plan = plans

@@ -162,7 +162,7 @@ def test_fused_residual_epilogues_match_the_original_model(session_cache_dir):
 
     net = _pruned(ResidualNet())
     x = torch.randn(7, 3, 18, 20, device="cuda")
-    fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir), progress=False)
+    fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir), progress=False, route_batches=None)
     fused = {p.name: p.fused for p in fast.sparseconv_plan}
     assert fused == {"stem": ("bn", "relu"), "a": ("bn", "add", "relu6"), "b": ("bn", "add", "relu"),
                      "proj": ("bn",), "c": ("add", "clip")}
@@ -177,8 +177,9 @@ def test_cuda_graph_replays_equal_eager_results_on_fresh_inputs(session_cache_di
 
     net = _pruned(ResidualNet())
     example = torch.randn(1, 3, 16, 16, device="cuda")
-    eager = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False)
-    graphed = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False, cuda_graph=True)
+    eager = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False, route_batches=None)
+    graphed = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False, cuda_graph=True,
+                           route_batches=None)
     assert isinstance(graphed, sct.CudaGraphModule) and graphed.sparseconv_plan == eager.sparseconv_plan
     with torch.no_grad():
         outputs = []
@@ -203,11 +204,39 @@ def test_full_resnet50_batch2_matches_float64(session_cache_dir):
     fast = sct.sparsify(net, x[:1], cache_dir=str(session_cache_dir), cuda_graph=True)
     kinds = {}
     for p in fast.sparseconv_plan:
-        kinds[(p.action, p.fused)] = kinds.get((p.action, p.fused), 0) + 1
-    assert kinds == {("sparseconv", ("bn", "relu")): 33, ("sparseconv", ("bn", "add", "relu")): 16,
-                     ("sparseconv", ("bn",)): 4}
+        kinds[p.fused] = kinds.get(p.fused, 0) + 1
+        # routed by measurement at batch 1 and 64 (the default), the times in the plan
+        assert p.action in ("sparseconv", "dense", "mixed") and "cuDNN fp32" in p.reason, p
+    assert kinds == {("bn", "relu"): 33, ("bn", "add", "relu"): 16, ("bn",): 4}
     with torch.no_grad():
         y = fast(x)
     ref = _float64_output(net, x)
     assert relative_l2(y.cpu().numpy(), ref.cpu().numpy()) <= 1e-5
     assert torch.equal(y.argmax(1).cpu(), ref.argmax(1).cpu())
+
+
+def test_routing_by_batch_size_runs_each_path_exactly(session_cache_dir):
+    """sparsify's default routing: each conv measured at batch 1 and 64 against
+    cuDNN strict fp32; whichever path a batch size takes, the result is exact,
+    and forcing either path gives the same numbers within fp32 rounding."""
+    import sparseconv.torch as sct
+    from sparseconv.fx import FusedConv2d
+    from sparseconv.shapes import ANY_BATCH
+
+    net = _pruned(ResidualNet())
+    example = torch.randn(1, 3, 16, 16, device="cuda")
+    fast = sct.sparsify(net, example, cache_dir=str(session_cache_dir), progress=False)
+    convs = [m for m in fast.modules() if isinstance(m, FusedConv2d)]
+    assert convs and all(m.route for m in convs)
+    plan = {p.name: p for p in fast.sparseconv_plan}
+    for m in convs:
+        assert plan[m.layer_name].action == ({p for _, p in m.route}.pop() if len(m.route) == 1 else "mixed")
+    with torch.no_grad():
+        for batch in (1, 5, 64):
+            x = torch.randn(batch, 3, 16, 16, device="cuda")
+            ref = _float64_output(net, x).cpu().numpy()
+            assert relative_l2(fast(x).cpu().numpy(), ref) <= 1e-5
+            for path in ("sparseconv", "dense"):
+                for m in convs:
+                    m.route = [(ANY_BATCH, path)]
+                assert relative_l2(fast(x).cpu().numpy(), ref) <= 1e-5, path

@@ -76,3 +76,25 @@ def test_cuda_graph_module_runs_cpu_inputs_directly():
     x = torch.randn(2, 3, 4, 4)
     with torch.no_grad():
         assert torch.equal(CudaGraphModule(m)(x), m(x))
+
+
+def test_route_from_choices_takes_the_nearer_measured_batch():
+    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.torch import route_from_choices
+
+    assert route_from_choices([(1, "sparseconv"), (64, "dense")]) == [(8, "sparseconv"), (ANY_BATCH, "dense")]
+    assert route_from_choices([(1, "dense"), (64, "dense")]) == [(ANY_BATCH, "dense")]
+    assert route_from_choices([(1, "sparseconv"), (16, "dense"), (256, "sparseconv")]) == \
+        [(4, "sparseconv"), (64, "dense"), (ANY_BATCH, "sparseconv")]
+
+
+def test_fused_conv_path_follows_its_route():
+    import torch
+
+    from sparseconv.fx import FusedConv2d
+    from sparseconv.shapes import ANY_BATCH
+
+    m = FusedConv2d(torch.zeros(2, 2, 1, 1), None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
+    assert m.path(1) == "sparseconv" and m.path(1000) == "sparseconv"  # no route: the kernel
+    m.route = [(8, "sparseconv"), (ANY_BATCH, "dense")]
+    assert [m.path(b) for b in (1, 8, 9, 64)] == ["sparseconv", "sparseconv", "dense", "dense"]
