@@ -80,7 +80,8 @@ def _bundle_files(folder: Path) -> Optional[set]:
 def check_output_dir(out_dir: Path) -> Path:
     """Raise BundleError unless `out_dir` can take a bundle: missing (under a
     writable folder), empty, or holding a previous bundle and nothing else.
-    Returns the absolute path. Writes nothing."""
+    Returns the absolute path. Leaves nothing behind (it makes and removes
+    one empty folder to see that it can)."""
     out = Path(os.path.abspath(out_dir))
     if out.is_symlink():
         raise BundleError(f"{out_dir}: is a symbolic link; give the folder itself as -o")
@@ -98,8 +99,11 @@ def check_output_dir(out_dir: Path) -> Path:
         existing = existing.parent
     if not existing.is_dir():
         raise BundleError(f"{out_dir}: {existing} is a file, not a folder; choose another -o")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise BundleError(f"{out_dir}: cannot write in {existing} (read-only or no permission); choose another -o")
+    try:  # the real question, asked now rather than after the compile: can a folder be made there?
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-{os.getpid()}-", dir=existing))
+    except OSError as exc:
+        raise BundleError(f"{out_dir}: cannot write in {existing} ({exc.strerror or exc}); "
+                          "choose another -o") from None
     return out
 
 
@@ -138,7 +142,7 @@ def _alive(pid: int) -> bool:
 
 def _remove_leftovers(out: Path) -> None:
     """Temporary and old folders of writers that died (SIGKILL) before cleaning up."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)(?:-|$)")
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old|probe)-(\d+)(?:-|$)")
     for p in out.parent.iterdir():
         m = pattern.match(p.name)
         if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):

@@ -40,6 +40,14 @@ class ModelError(ValueError):
     """Bad model input: says which file, which layer, what was expected."""
 
 
+def _why(exc: BaseException) -> str:
+    """A library's exception in a few words: its type and first sentence
+    (torch and onnx append paragraphs of advice that would bury ours)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text.split(". ")[0]
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class ConvLayer:
     name: str
@@ -167,7 +175,7 @@ def _read_safetensors(path: Path) -> Dict[str, np.ndarray]:
     try:
         return load_file(str(path))
     except Exception as exc:  # SafetensorError, OSError, ...
-        raise ModelError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: not a readable safetensors file ({_why(exc)})") from None
 
 
 def _read_torch(path: Path) -> Dict[str, np.ndarray]:
@@ -178,9 +186,8 @@ def _read_torch(path: Path) -> Dict[str, np.ndarray]:
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # never retried with weights_only=False: that would run arbitrary pickle code
-        raise ModelError(f"{path}: cannot load it with torch.load(weights_only=True) ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); sparseconv never unpickles "
-                         "arbitrary objects: save a plain state dict") from None
+        raise ModelError(f"{path}: cannot load it with torch.load(weights_only=True) ({_why(exc)}); sparseconv "
+                         "never unpickles arbitrary objects: save a plain state dict") from None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
@@ -316,7 +323,7 @@ def _initializer(path: Path, tensor: Any) -> np.ndarray:
         return numpy_helper.to_array(tensor)
     except Exception as exc:  # ValueError from reshape when dims and data disagree, and friends
         raise ModelError(f"{path}: initializer {tensor.name}: its declared shape {list(tensor.dims)} does not "
-                         f"match its data ({type(exc).__name__}: {exc})") from None
+                         f"match its data ({_why(exc)})") from None
 
 
 def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxFile:
@@ -334,7 +341,7 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and friends
-        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: not a readable ONNX model ({_why(exc)})") from None
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model, or one with an empty graph (no nodes)")
     _safe_external_data(path, model)
@@ -347,8 +354,7 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
                     dims[2].dim_value, dims[3].dim_value = input_size
         model = shape_inference.infer_shapes(model)
     except Exception as exc:
-        raise ModelError(f"{path}: ONNX shape inference failed ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ModelError(f"{path}: ONNX shape inference failed ({_why(exc)})") from None
     graph = model.graph
     constants = {t.name: _initializer(path, t) for t in graph.initializer}
     shapes: Dict[str, List[Optional[int]]] = {}
