@@ -61,10 +61,13 @@ def _watch_parent(parent: int) -> None:
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Cancel what has not started and kill what has: used when the caller is
     interrupted, so that no worker goes on building for a caller that left."""
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+    # The processes first: shutdown() forgets them. (_processes is private, but
+    # the executor offers no public way to stop a running task.)
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
         with contextlib.suppress(Exception):
             proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
