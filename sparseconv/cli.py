@@ -191,6 +191,11 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
     click.echo(f"{'layer':32s} {'shape':34s} {'sparsity':>8s} {'nonzero':>10s}  action")
     for layer in m.layers:
         action = "compile" if layer.name not in skipped else "skip: " + skipped[layer.name]
+        if layer.name not in skipped:
+            try:
+                check_layer(layer.shape)
+            except ValueError as exc:  # compile would refuse it: say so here
+                action = "refused: " + str(exc).split(": ", 1)[-1]
         click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
                    f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")
 
@@ -229,6 +234,8 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
     if not chosen:
         raise click.UsageError(f"{model}: no layer left to compile ({len(skipped)} skipped by the filters)")
     for layer in chosen:
+        with _errors(f"{model}: layer {layer.name}"):
+            check_layer(layer.shape)
         bad = [what for what, a in (("weight", layer.weight), ("bias", layer.bias))
                if a is not None and not np.isfinite(a).all()]
         if bad and not allow_nonfinite:

@@ -1,5 +1,6 @@
 """The largest layers sparseconv accepts, checked in one place before anything
-is built (the CLI, the model loader and build_many all call check_layer).
+is built: check_layer (the CLI and build_many, so every build path, call it;
+the model loader calls check_indexing alone).
 
 Why these limits (README, "Limits"):
   * MAX_INDEX: the kernel template computes offsets inside one image in 32-bit
@@ -33,10 +34,11 @@ class LimitError(ValueError):
     """A layer beyond what the kernel can compute correctly or build in reasonable time."""
 
 
-def check_layer(shape: ConvShape, tiling: Optional[Tiling] = None) -> Tiling:
-    """Raise LimitError when `shape` (with `tiling`, default: the default
-    tiling) is beyond the limits above, or ValueError when the tiling cannot
-    serve it; return the tiling. Cheap: arithmetic only, no build."""
+def check_indexing(shape: ConvShape) -> None:
+    """Raise LimitError when one image's offsets would not fit the kernel's
+    32-bit ints. The model loader calls this one alone: a layer that size is
+    never a real model's, while a layer over the build limits below may be
+    (VGG's fc6 as a conv) and is refused only if chosen for a build."""
     s = shape
     image_in = s.in_channels * s.in_h * s.in_w
     image_out = s.out_channels * s.out_h * s.out_w
@@ -44,6 +46,14 @@ def check_layer(shape: ConvShape, tiling: Optional[Tiling] = None) -> Tiling:
     if max(image_in, image_out, padded) > MAX_INDEX:
         raise LimitError(f"{s.describe()}: one image has {image_in} input and {image_out} output elements; the "
                          f"kernel indexes an image with 32-bit ints, so each must be at most {MAX_INDEX} (2**31-1)")
+
+
+def check_layer(shape: ConvShape, tiling: Optional[Tiling] = None) -> Tiling:
+    """Raise LimitError when `shape` (with `tiling`, default: the default
+    tiling) is beyond the limits above, or ValueError when the tiling cannot
+    serve it; return the tiling. Cheap: arithmetic only, no build."""
+    s = shape
+    check_indexing(s)
     try:
         t = tiling or default_tiling(s)
     except ValueError as exc:

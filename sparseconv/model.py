@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .limits import check_layer
+from .limits import check_indexing
 from .shapes import ConvShape, shape_from_weight
 
 FORMATS = ("onnx", "npz", "safetensors", "torch")
@@ -148,7 +148,7 @@ def _make_layer(path: Path, name: str, weight: np.ndarray, bias: Optional[np.nda
                 hw: Tuple[int, int], stride: Any, padding: Any, dilation: Any, groups: Any) -> ConvLayer:
     try:
         shape = shape_from_weight(weight, hw, stride, padding, dilation, groups)
-        check_layer(shape)
+        check_indexing(shape)
     except (TypeError, ValueError) as exc:
         raise ModelError(f"{path}: layer {name}: {exc}") from None
     if bias is not None and bias.shape != (shape.out_channels,):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import stat
 import subprocess
@@ -149,6 +150,7 @@ class Boom:
         return (os.system, ("touch sparseconv-pwned",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_malicious_pickles_never_run(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.chdir(tmp_path)
@@ -620,3 +622,18 @@ def test_compile_conv2d_builds_without_a_gpu_when_given_a_target(tmp_path):
     except Exception:
         pass  # loading may need the GPU; the build must have happened first
     assert _cache_files(tmp_path / "cache", "kernel", ".cubin")
+
+
+def test_a_layer_over_the_build_limits_is_listed_by_inspect_and_refused_by_compile(tmp_path):
+    """Loading stays possible (inspect shows why), building is refused up front, naming the layer."""
+    spec = [dict(name="conv", in_h=6, in_w=6, padding=1), dict(name="wide", in_h=1, in_w=1, groups=100000)]
+    path = write_npz(tmp_path / "m.npz", spec=spec, wide=np.ones((100000, 1, 1, 1), np.float32))
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "refused:" in next(line for line in r.output.splitlines() if line.startswith("wide"))
+    r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache"))
+    refused(r, "layer wide")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    if shutil.which("nvcc"):  # the other layers still compile
+        r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache", "--layers", "conv"))
+        assert r.exit_code == 0, r.output
