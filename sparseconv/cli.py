@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -26,8 +27,9 @@ from .cli_options import (cache_dir_option, check_output_file, format_option, in
                           parse_size, spec_option, target_option)
 from .compile import CompileError, ToolNotFoundError
 from .limits import MAX_INDEX, check_layer
-from .model import ConvLayer, ModelError, PrunedModel
+from .model import ConvLayer, ModelError, PrunedModel, detect_format
 from .parallel import LayerJob, build_many
+from .runner import compile_model, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
 
 
@@ -288,11 +290,6 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
 
         sparseconv run models/lenet_digits_pruned.onnx --data models/digits_test.npz --check
     """
-    import time
-
-    from .model import detect_format
-    from .runner import compile_model, load_data, load_program, predict, run_reference
-
     if autotune and backend == "reference":
         raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
     check_output_file(output, "-o", ".npy")

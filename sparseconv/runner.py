@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .dense import conv2d_im2col
+from .kernel import compile_layers
 from .model import ConvLayer, ModelError, check_names, node_name, read_onnx
 
 
@@ -268,8 +269,6 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took."""
-    from .kernel import compile_layers
-
     program = load_program(path, input_size)
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
