@@ -83,19 +83,22 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
     return a
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C (SystemExit 143), so temporary folders are
-    removed and pool workers stopped; the default action would skip both."""
+def _exit_on_sigterm(ctx: click.Context) -> None:
+    """For the command's duration, SIGTERM unwinds like Ctrl-C (SystemExit
+    143), so temporary folders are removed and pool workers stopped; the
+    default action would skip both. The previous handler comes back after."""
     if threading.current_thread() is threading.main_thread() \
             and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous or signal.SIG_DFL))
 
 
 @click.group()
 @click.version_option(package_name="sparseconv")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """sparseconv: compile pruned conv layers into weight-specialised CUDA kernels."""
-    _exit_on_sigterm()
+    _exit_on_sigterm(ctx)
 
 
 @main.command()

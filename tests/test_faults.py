@@ -637,3 +637,11 @@ def test_a_layer_over_the_build_limits_is_listed_by_inspect_and_refused_by_compi
     if shutil.which("nvcc"):  # the other layers still compile
         r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache", "--layers", "conv"))
         assert r.exit_code == 0, r.output
+
+
+def test_the_cli_restores_the_sigterm_handler_it_installs():
+    before = signal.getsignal(signal.SIGTERM)
+    assert CliRunner().invoke(main, ["cache", "ls", "--help"]).exit_code == 0
+    r = CliRunner().invoke(main, ["inspect", str(LENET)])
+    assert r.exit_code == 0, r.output
+    assert signal.getsignal(signal.SIGTERM) == before
