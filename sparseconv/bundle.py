@@ -94,17 +94,25 @@ def check_output_dir(out_dir: Path) -> Path:
         if any(out.iterdir()) and _bundle_files(out) is None:
             raise BundleError(f"{out_dir}: exists and holds files that are not a sparseconv bundle; refusing to "
                               "write into it (choose another -o, or empty the folder)")
-    existing = out.parent
+    # The parent, where the new bundle is made: a probe inside `out` itself
+    # would show a concurrent writer a folder that is not only a bundle.
+    check_writable_folder(out.parent, f"{out_dir}: ", "choose another -o")
+    return out
+
+
+def check_writable_folder(folder: Path, prefix: str = "", advice: str = "choose another folder") -> None:
+    """Raise BundleError unless `folder` exists as a writable folder or can be
+    made: the real question, asked before a long build rather than after. It
+    makes and removes one empty folder in the nearest existing ancestor."""
+    existing = Path(os.path.abspath(folder))
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise BundleError(f"{out_dir}: {existing} is a file, not a folder; choose another -o")
-    try:  # the real question, asked now rather than after the compile: can a folder be made there?
-        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-{os.getpid()}-", dir=existing))
+        raise BundleError(f"{prefix}{existing} is a file, not a folder; {advice}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".sparseconv.probe-{os.getpid()}-", dir=existing))
     except OSError as exc:
-        raise BundleError(f"{out_dir}: cannot write in {existing} ({exc.strerror or exc}); "
-                          "choose another -o") from None
-    return out
+        raise BundleError(f"{prefix}cannot write in {existing} ({exc.strerror or exc}); {advice}") from None
 
 
 def _umask() -> int:
@@ -142,7 +150,7 @@ def _alive(pid: int) -> bool:
 
 def _remove_leftovers(out: Path) -> None:
     """Temporary and old folders of writers that died (SIGKILL) before cleaning up."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old|probe)-(\d+)(?:-|$)")
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-(\d+)(?:-|$)")
     for p in out.parent.iterdir():
         m = pattern.match(p.name)
         if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):

@@ -20,14 +20,14 @@ import click
 import numpy as np
 
 from .build import build_conv2d
-from .bundle import BundleError, check_output_dir, specialised_ptx, write_bundle
+from .bundle import BundleError, check_output_dir, check_writable_folder, specialised_ptx, write_bundle
 from .cache import ArtifactCache, CacheError
 from .cli_options import (cache_dir_option, check_output_file, format_option, input_size_option, jobs_option,
                           json_option, layers_option, load_model_or_exit, min_sparsity_option, model_argument,
                           parse_size, spec_option, target_option)
 from .compile import CompileError, ToolNotFoundError
 from .limits import MAX_INDEX, check_layer
-from .model import ConvLayer, ModelError, PrunedModel, detect_format
+from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why
 from .parallel import LayerJob, build_many
 from .runner import compile_model, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
@@ -75,12 +75,19 @@ def _load_npy(path: Path, what: str) -> np.ndarray:
     except EOFError:  # click would print a bare "Aborted!" for it
         raise click.UsageError(f"{path}: the file is empty or truncated; expected {what} as a .npy array") from None
     except (OSError, ValueError) as exc:
-        raise click.UsageError(f"{path}: cannot read {what} as a .npy array ({exc})") from None
+        raise click.UsageError(f"{path}: cannot read {what} as a .npy array ({numpy_why(exc)})") from None
     if not isinstance(a, np.ndarray):
         a.close()
         raise click.UsageError(f"{path}: is an .npz archive; `layer` takes one .npy array ({what}); "
                                "for a model use `sparseconv compile`")
     return a
+
+
+def _check_cache_dir(cache_dir: Optional[Path]) -> None:
+    """Before a build: the cache folder must be writable (it fails late otherwise)."""
+    root = ArtifactCache(cache_dir).root
+    check_writable_folder(root, f"cache folder {root}: ",
+                          "pass --cache-dir or set SPARSECONV_CACHE_DIR to a writable folder")
 
 
 def _exit_on_sigterm(ctx: click.Context) -> None:
@@ -124,6 +131,8 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
     """
     name = weight_file.stem
     check_output_file(emit_ptx, "--emit-ptx")
+    with _errors():
+        _check_cache_dir(cache_dir)
     w = _load_npy(weight_file, "the weights")
     if w.dtype.kind != "f":
         raise click.UsageError(f"{weight_file}: weights must be floating point, got dtype {w.dtype}")
@@ -232,6 +241,7 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
     out_dir = output or model.with_name(model.stem + "_sparseconv")
     with _errors():
         check_output_dir(out_dir)  # before the model: a bad -o costs nothing
+        _check_cache_dir(cache_dir)
     m = load_model_or_exit(model, fmt, spec_path, input_size)
     chosen, skipped = _select(m, layer_glob, min_sparsity)
     if not chosen:

@@ -48,6 +48,14 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
+def numpy_why(exc: BaseException) -> str:
+    """Why np.load(allow_pickle=False) failed. NumPy answers any file it does
+    not recognise by suggesting allow_pickle=True; that advice is wrong here."""
+    if "pickle" in str(exc):
+        return "not a NumPy .npy/.npz file, or one holding Python objects, which sparseconv never unpickles"
+    return _why(exc)
+
+
 @dataclass(frozen=True)
 class ConvLayer:
     name: str
@@ -163,7 +171,7 @@ def _read_npz(path: Path) -> Dict[str, np.ndarray]:
         archive = np.load(path, allow_pickle=False)
         return {k: archive[k] for k in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ModelError(f"{path}: not a readable .npz archive ({exc})") from None
+        raise ModelError(f"{path}: not a readable .npz archive ({numpy_why(exc)})") from None
 
 
 def _read_safetensors(path: Path) -> Dict[str, np.ndarray]:

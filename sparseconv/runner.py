@@ -22,7 +22,7 @@ import numpy as np
 
 from .dense import conv2d_im2col
 from .kernel import compile_layers
-from .model import ConvLayer, ModelError, check_names, node_name, read_onnx
+from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def load_data(path: Path, program: OnnxProgram, input_key: Optional[str] = None,
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         if isinstance(exc, ModelError):
             raise
-        raise ModelError(f"{path}: cannot read data as .npy or .npz ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: cannot read data as .npy or .npz ({numpy_why(exc)})") from None
     if x.dtype.kind != "f":
         raise ModelError(f"{path}: inputs must be floating point (scaled as in training), got {x.dtype}")
     want = program.input_shape

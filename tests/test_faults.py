@@ -645,3 +645,26 @@ def test_the_cli_restores_the_sigterm_handler_it_installs():
     r = CliRunner().invoke(main, ["inspect", str(LENET)])
     assert r.exit_code == 0, r.output
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("verb", ["compile", "layer"])
+def test_an_unwritable_cache_is_refused_before_building(tmp_path, weight_npy, verb):
+    (tmp_path / "a_file").write_text("x")
+    cache = tmp_path / "a_file" / "cache"
+    args = (compile_args(write_npz(tmp_path / "m.npz"), tmp_path / "out", cache) if verb == "compile"
+            else ["layer", str(weight_npy), "--input-size", "8", "--cache-dir", str(cache)])
+    before = files_under(tmp_path)
+    t = time.perf_counter()
+    refused(CliRunner().invoke(main, args), "is a file, not a folder")
+    assert time.perf_counter() - t < 5 and files_under(tmp_path) == before
+
+
+def test_non_numpy_files_are_not_answered_with_allow_pickle_advice(tmp_path):
+    junk = tmp_path / "junk.npy"
+    junk.write_text("just some text\n")
+    for args in (["layer", str(junk), "--input-size", "8"],
+                 ["run", str(LENET), "--data", str(junk), "--backend", "reference"],
+                 ["inspect", str(junk), "--format", "npz"]):
+        r = CliRunner().invoke(main, args)
+        refused(r, "never unpickles")
+        assert "allow_pickle" not in r.output
