@@ -15,6 +15,7 @@ import numpy as np
 
 from .build import build_conv2d
 from .cache import ArtifactCache
+from .limits import check_layer
 from .parallel import LayerJob, build_many
 from .runtime import Conv2dKernel, DenseConv2dKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
@@ -39,7 +40,7 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
                    activation: str = "none", clip: Optional[Tuple[float, float]] = None, residual: bool = False,
                    tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
                    tune_batch: int = 64, cache_dir: Union[str, None] = None,
-                   name: str = "conv", target: Optional[Target] = None) -> Conv2dKernel:
+                   name: str = "conv", target: Union[Target, str, None] = None) -> Conv2dKernel:
     """Compile a pruned conv layer into a kernel specialised to its weights.
 
     weight: (K, C/groups, R, S) floats (NumPy, CuPy or torch), zeros where pruned.
@@ -75,8 +76,14 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         raise ValueError(f"{name}: tiling must be a Tiling, None or 'auto', got {tiling!r}")
     if not isinstance(tune_batch, int) or tune_batch < 1:
         raise ValueError(f"{name}: tune_batch must be a positive int, got {tune_batch!r}")
+    if isinstance(target, str):  # "sm_90", as the CLI's --target
+        try:
+            target = Target(target)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
     if target is not None and not isinstance(target, Target):
-        raise TypeError(f"{name}: target must be a sparseconv.Target, got {type(target).__name__}")
+        raise TypeError(f"{name}: target must be a sparseconv.Target or a string like 'sm_90', "
+                        f"got {type(target).__name__}")
     w = _host_array(weight, f"{name}: weight")
     shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
     b = None
@@ -94,6 +101,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         variants = [(ANY_BATCH, layer)]
     else:
         chosen = [(ANY_BATCH, tiling)] if isinstance(tiling, Tiling) else batch_variants(shape, default_tiling(shape))
+        for _, t in chosen:  # refuse what cannot be built before building anything
+            check_layer(shape, t)
         variants = [(up_to, build_conv2d(w, shape, tiling=t, target=target, cache=cache, name=name,
                                          epilogue=epilogue)) for up_to, t in chosen]
     t = time.perf_counter()

@@ -4,46 +4,108 @@
 Exit codes: 0 success, 2 bad input (with a one-line reason on stderr)."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import io
 import json
 import os
-import shutil
+import signal
 import sys
-import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import click
 import numpy as np
 
 from .build import build_conv2d
+from .bundle import BundleError, check_output_dir, check_writable_folder, specialised_ptx, write_bundle
 from .cache import ArtifactCache, CacheError
+from .cli_options import (cache_dir_option, check_output_file, format_option, input_size_option, jobs_option,
+                          json_option, layers_option, load_model_or_exit, min_sparsity_option, model_argument,
+                          parse_size, spec_option, target_option)
 from .compile import CompileError, ToolNotFoundError
-from .cli_options import (format_option, input_size_option, layers_option, load_model_or_exit,
-                          min_sparsity_option, model_argument, parse_size, spec_option)
-from .model import ConvLayer, ModelError, PrunedModel, slug
+from .limits import MAX_INDEX, check_layer
+from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why
+from .parallel import LayerJob, build_many
+from .runner import compile_model, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
 
 
-def _specialised_ptx(cache: ArtifactCache, built) -> str:
-    ptx = cache.get_text("kernel", built.ptx_sha256, ".ptx")
-    if ptx is None:
-        raise click.ClickException(f"layer {built.name}: its specialised PTX {built.ptx_sha256[:12]} vanished "
-                                   "from the cache; run again")
-    return ptx
+def _tool_failure(exc: CompileError) -> str:
+    """A CUDA tool's failure for a CLI user: the tool, the layer, the log's first lines."""
+    log = [line for line in exc.log.strip().splitlines() if line.strip()]
+    shown = "; ".join(log[:3]) + (f" (+{len(log) - 3} more lines)" if len(log) > 3 else "")
+    return f"{exc.tool} failed on {exc.what}: {shown or 'no output'}"
+
+
+@contextlib.contextmanager
+def _errors(where: str = "") -> Iterator[None]:
+    """Library errors as click errors: bad input exits 2 with one line, a
+    missing tool or a damaged cache exits 1, never a traceback."""
+    prefix = f"{where}: " if where else ""
+    try:
+        yield
+    except CompileError as exc:
+        raise click.ClickException(_tool_failure(exc)) from None
+    except (ToolNotFoundError, CacheError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except (ModelError, BundleError) as exc:
+        raise click.UsageError(str(exc)) from None
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(prefix + str(exc).splitlines()[0]) from None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write a file through a temporary beside it: a failure leaves nothing."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise click.UsageError(f"{path}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _load_npy(path: Path, what: str) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
+        a = np.load(path, allow_pickle=False)
+    except EOFError:  # click would print a bare "Aborted!" for it
+        raise click.UsageError(f"{path}: the file is empty or truncated; expected {what} as a .npy array") from None
     except (OSError, ValueError) as exc:
-        raise click.UsageError(f"{path}: cannot read {what} as a .npy array ({exc})") from None
+        raise click.UsageError(f"{path}: cannot read {what} as a .npy array ({numpy_why(exc)})") from None
+    if not isinstance(a, np.ndarray):
+        a.close()
+        raise click.UsageError(f"{path}: is an .npz archive; `layer` takes one .npy array ({what}); "
+                               "for a model use `sparseconv compile`")
+    return a
+
+
+def _check_cache_dir(cache_dir: Optional[Path]) -> None:
+    """Before a build: the cache folder must be writable (it fails late otherwise)."""
+    root = ArtifactCache(cache_dir).root
+    check_writable_folder(root, f"cache folder {root}: ",
+                          "pass --cache-dir or set SPARSECONV_CACHE_DIR to a writable folder")
+
+
+def _exit_on_sigterm(ctx: click.Context) -> None:
+    """For the command's duration, SIGTERM unwinds like Ctrl-C (SystemExit
+    143), so temporary folders are removed and pool workers stopped; the
+    default action would skip both. The previous handler comes back after."""
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous or signal.SIG_DFL))
 
 
 @click.group()
 @click.version_option(package_name="sparseconv")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """sparseconv: compile pruned conv layers into weight-specialised CUDA kernels."""
+    _exit_on_sigterm(ctx)
 
 
 @main.command()
@@ -52,13 +114,13 @@ def main() -> None:
 @click.option("--stride", default="1", show_default=True, help="Stride, e.g. 2 or 2x1.")
 @click.option("--padding", default="0", show_default=True, help="Zero padding, e.g. 1 or 1x2.")
 @click.option("--dilation", default="1", show_default=True, help="Dilation, e.g. 1 or 2x2.")
-@click.option("--groups", default=1, show_default=True, type=int, help="Convolution groups.")
-@click.option("--target", default="sm_90", show_default=True, help="GPU architecture to build for.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@click.option("--groups", default=1, show_default=True, type=click.IntRange(1, MAX_INDEX),
+              help="Convolution groups.")
+@target_option
+@cache_dir_option
 @click.option("--emit-ptx", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the specialised PTX here.")
-@click.option("--json", "as_json", is_flag=True, help="Print the stats as JSON.")
+@json_option
 def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilation: str, groups: int,
           target: str, cache_dir: Optional[Path], emit_ptx: Optional[Path], as_json: bool) -> None:
     """Build the specialised kernel of one layer from a (K, C/groups, R, S) .npy weight file.
@@ -68,22 +130,24 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
         sparseconv layer models/layer3.npy --input-size 56 --padding 1
     """
     name = weight_file.stem
+    check_output_file(emit_ptx, "--emit-ptx")
+    with _errors():
+        _check_cache_dir(cache_dir)
     w = _load_npy(weight_file, "the weights")
     if w.dtype.kind != "f":
         raise click.UsageError(f"{weight_file}: weights must be floating point, got dtype {w.dtype}")
-    try:
+    if w.dtype.itemsize > 4 and np.abs(w[np.isfinite(w)]).max(initial=0) > np.finfo(np.float32).max:
+        raise click.UsageError(f"{weight_file}: weights up to {float(np.abs(w).max()):.3g} overflow float32 "
+                               f"(largest {float(np.finfo(np.float32).max):.3g})")
+    with _errors(str(weight_file)):
         shape = shape_from_weight(w, parse_size(input_size, "--input-size"), parse_size(stride, "--stride"),
-                                  parse_size(padding, "--padding"), parse_size(dilation, "--dilation"), groups)
-        built = build_conv2d(w.astype(np.float32), shape, target=Target(target),
-                             cache=ArtifactCache(cache_dir), name=name)
-    except (ValueError, TypeError) as exc:
-        raise click.UsageError(f"{weight_file}: {exc}") from None
-    except (ToolNotFoundError, CacheError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except CompileError as exc:
-        raise click.ClickException(f"{weight_file}: {exc}") from None
-    if emit_ptx is not None:
-        emit_ptx.write_text(_specialised_ptx(ArtifactCache(cache_dir), built))
+                                  parse_size(padding, "--padding", minimum=0), parse_size(dilation, "--dilation"),
+                                  groups)
+        check_layer(shape)
+        cache = ArtifactCache(cache_dir)
+        built = build_conv2d(w.astype(np.float32), shape, target=Target(target), cache=cache, name=name)
+        if emit_ptx is not None:
+            _write_atomically(emit_ptx, specialised_ptx(cache, built).encode())
     stats = dict(built.stats, layer=name, shape=shape.describe())
     if as_json:
         click.echo(json.dumps(stats, indent=2, default=str))
@@ -139,6 +203,11 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
     click.echo(f"{'layer':32s} {'shape':34s} {'sparsity':>8s} {'nonzero':>10s}  action")
     for layer in m.layers:
         action = "compile" if layer.name not in skipped else "skip: " + skipped[layer.name]
+        if layer.name not in skipped:
+            try:
+                check_layer(layer.shape)
+            except ValueError as exc:  # compile would refuse it: say so here
+                action = "refused: " + str(exc).split(": ", 1)[-1]
         click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
                    f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")
 
@@ -152,12 +221,11 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
 @input_size_option
 @layers_option
 @min_sparsity_option
-@click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel layer builds (default: CPU count).")
-@click.option("--target", default="sm_90", show_default=True, help="GPU architecture to build for.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
+@jobs_option
+@target_option
+@cache_dir_option
 @click.option("--allow-nonfinite", is_flag=True, help="Accept NaN/Inf weights (refused by default).")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON instead of a table.")
+@json_option
 def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: Optional[Path],
             input_size: Optional[str], layer_glob: str, min_sparsity: float, jobs: Optional[int], target: str,
             cache_dir: Optional[Path], allow_nonfinite: bool, as_json: bool) -> None:
@@ -165,66 +233,32 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 
     Writes one .ptx and one .cubin per layer (plus its bias as .npy) and a
     manifest.json into the output folder; nothing is written if any input is
-    bad. Needs nvcc and ptxas, no GPU. Example:
+    bad. An existing output folder is replaced only if it holds a previous
+    bundle and nothing else. Needs nvcc and ptxas, no GPU. Example:
 
         sparseconv compile models/vgg16_pruned.npz -o build/vgg16 --min-sparsity 0.5
     """
-    from .parallel import LayerJob, build_many
-
+    out_dir = output or model.with_name(model.stem + "_sparseconv")
+    with _errors():
+        check_output_dir(out_dir)  # before the model: a bad -o costs nothing
+        _check_cache_dir(cache_dir)
     m = load_model_or_exit(model, fmt, spec_path, input_size)
     chosen, skipped = _select(m, layer_glob, min_sparsity)
     if not chosen:
         raise click.UsageError(f"{model}: no layer left to compile ({len(skipped)} skipped by the filters)")
     for layer in chosen:
+        with _errors(f"{model}: layer {layer.name}"):
+            check_layer(layer.shape)
         bad = [what for what, a in (("weight", layer.weight), ("bias", layer.bias))
                if a is not None and not np.isfinite(a).all()]
         if bad and not allow_nonfinite:
             raise click.UsageError(f"{model}: layer {layer.name}: {bad[0]} has NaN or Inf values "
                                    "(pass --allow-nonfinite to compile it anyway)")
-    out_dir = output or model.with_name(model.stem + "_sparseconv")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file():
-        raise click.UsageError(f"{out_dir}: exists, is not empty and holds no manifest.json; "
-                               "refusing to write into it (choose another -o)")
-    try:
+    with _errors(str(model)):
         cache = ArtifactCache(cache_dir)
         built = build_many([LayerJob(layer.name, layer.weight, layer.shape) for layer in chosen],
                            target=Target(target), cache_dir=str(cache.root), workers=jobs)
-    except (ToolNotFoundError, CacheError, CompileError) as exc:
-        raise click.ClickException(str(exc)) from None
-    manifest = {"model": str(model), "format": m.format, "target": target, "layers": [],
-                "skipped": skipped}
-    # Write everything into a fresh folder, then swap it in: a failure leaves
-    # the previous output (or nothing) in place, never a half-written folder.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        for i, layer in enumerate(chosen):
-            b = built[layer.name]
-            stem = f"{i:03d}_{slug(layer.name)}"
-            (tmp / f"{stem}.ptx").write_text(_specialised_ptx(cache, b))
-            (tmp / f"{stem}{b.artifact_suffix}").write_bytes(b.artifact)
-            if layer.bias is not None:
-                np.save(tmp / f"{stem}.bias.npy", layer.bias)
-            st = b.stats
-            manifest["layers"].append({
-                "name": layer.name, "ptx": f"{stem}.ptx", "binary": f"{stem}{b.artifact_suffix}",
-                "bias": f"{stem}.bias.npy" if layer.bias is not None else None,
-                "shape": layer.shape.as_dict(), "tiling": st["tiling"], "sparsity": layer.sparsity,
-                "nonzero_weights": st["nonzero_weights"], "weights": st["weights"],
-                "fmas_deleted": st["fmas_deleted"], "fmas_kept": st["fmas_kept"], "ptx_lines": st["ptx_lines"],
-                "seconds": st["seconds"], "wall_s": st["wall_s"], "cache_hit": st["kernel_cache_hit"],
-                "ptx_sha256": b.ptx_sha256, "template_key": st["template_key"], "kernel_key": st["kernel_key"]})
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        manifest = write_bundle(out_dir, m, chosen, built, target=Target(target), cache=cache, skipped=skipped)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
         return
@@ -256,10 +290,9 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
-@click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel layer builds (default: CPU count).")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@jobs_option
+@cache_dir_option
+@json_option
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
         batch_size: int, backend: str, autotune: bool, check: bool, output: Optional[Path], jobs: Optional[int],
         cache_dir: Optional[Path], as_json: bool) -> None:
@@ -270,15 +303,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
 
         sparseconv run models/lenet_digits_pruned.onnx --data models/digits_test.npz --check
     """
-    import time
-
-    from .model import detect_format
-    from .runner import compile_model, load_data, load_program, predict, run_reference
-
     if autotune and backend == "reference":
         raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
-    if output is not None and output.suffix != ".npy":
-        raise click.UsageError(f"{output}: the output file must end in .npy")
+    check_output_file(output, "-o", ".npy")
     try:
         if not model.is_file():
             raise ModelError(f"{model}: no such file")
@@ -313,8 +340,12 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
                                    progress=not as_json, tiling="auto" if autotune else None,
                                    backend=backend, tune_batch=batch_size)
             summary["compile_s"] = round(time.perf_counter() - t, 4)
-        except (ToolNotFoundError, CacheError, CompileError) as exc:
+        except CompileError as exc:
+            raise click.ClickException(_tool_failure(exc)) from None
+        except (ToolNotFoundError, CacheError) as exc:
             raise click.ClickException(str(exc)) from None
+        except (ModelError, ValueError) as exc:
+            raise click.UsageError(str(exc).splitlines()[0]) from None
         predict(sparse, x[:batch_size], batch_size)  # warm-up: first launches load the modules
         cupy.cuda.Device().synchronize()
         t = time.perf_counter()
@@ -331,12 +362,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         err = float(np.linalg.norm(y - reference) / max(np.linalg.norm(reference), 1e-30))
         summary.update(same_predictions=same, relative_l2_vs_reference=err)
     if output is not None:
-        tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}.npy")
-        try:
-            np.save(tmp, y.astype(np.float32))
-            os.replace(tmp, output)
-        finally:
-            tmp.unlink(missing_ok=True)
+        buf = io.BytesIO()
+        np.save(buf, y.astype(np.float32))
+        _write_atomically(output, buf.getvalue())
         summary["output"] = str(output)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -370,10 +398,6 @@ def _cache(cache_dir: Optional[Path]) -> ArtifactCache:
         raise click.ClickException(str(exc)) from None
 
 
-cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-                                help="Cache folder (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
-
-
 @cache.command("ls")
 @cache_dir_option
 def cache_ls(cache_dir: Optional[Path]) -> None:
@@ -402,7 +426,12 @@ def cache_verify(cache_dir: Optional[Path]) -> None:
 def cache_clear(cache_dir: Optional[Path]) -> None:
     """Remove every cache entry. Example: sparseconv cache clear"""
     c = _cache(cache_dir)
-    click.echo(f"removed {c.clear()} files from {c.root}")
+    removed = c.clear()
+    left = len(c.entries())
+    if left:  # a read-only cache: say so, not "removed"
+        raise click.ClickException(f"removed {removed} files from {c.root}, but {left} entries are left "
+                                   "(read-only folder or no permission?)")
+    click.echo(f"removed {removed} files from {c.root}")
 
 
 # `sparseconv bench` lives in its own module (it needs torch/matplotlib only when run).

@@ -8,11 +8,14 @@ from typing import Optional, Tuple
 
 import click
 
+from .limits import MAX_INDEX
 from .model import FORMATS, ModelError, PrunedModel, load_model
+from .shapes import Target
 
 
-def parse_size(text: str, what: str) -> Tuple[int, int]:
-    """'56' -> (56, 56); '56x28' -> (56, 28)."""
+def parse_size(text: str, what: str, minimum: int = 1) -> Tuple[int, int]:
+    """'56' -> (56, 56); '56x28' -> (56, 28). Each part from `minimum` to
+    2**31-1 (the kernels index in 32-bit ints; see sparseconv.limits)."""
     try:
         parts = [int(p) for p in text.lower().split("x")]
     except ValueError:
@@ -21,7 +24,31 @@ def parse_size(text: str, what: str) -> Tuple[int, int]:
         parts = parts * 2
     if len(parts) != 2:
         raise click.BadParameter(f"{what} must look like 56 or 56x28, got {text!r}")
+    if not all(minimum <= p <= MAX_INDEX for p in parts):
+        raise click.BadParameter(f"{what} must be between {minimum} and {MAX_INDEX}, got {text!r}")
     return parts[0], parts[1]
+
+
+def check_output_file(path: Optional[Path], what: str, suffix: Optional[str] = None) -> None:
+    """Before any work: an output file's folder must exist and not be a file,
+    and the path itself must not be a folder."""
+    if path is None:
+        return
+    if suffix is not None and path.suffix != suffix:
+        raise click.BadParameter(f"{path}: the output file must end in {suffix}", param_hint=what)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise click.BadParameter(f"{path}: the folder {parent} does not exist", param_hint=what)
+    if path.is_dir():
+        raise click.BadParameter(f"{path}: is a folder; give a file name", param_hint=what)
+
+
+def _target(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        Target(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
 
 
 model_argument = click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
@@ -46,5 +73,8 @@ def load_model_or_exit(model: Path, fmt: Optional[str], spec_path: Optional[Path
 
 cache_dir_option = click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
                                 help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
-jobs_option = click.option("--jobs", type=click.IntRange(1), default=None,
+jobs_option = click.option("--jobs", type=click.IntRange(1, 1024), default=None,
                            help="Parallel layer builds (default: CPU count).")
+target_option = click.option("--target", default="sm_90", show_default=True, callback=_target,
+                             help="GPU architecture to build for, as nvcc spells it.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .limits import check_indexing
 from .shapes import ConvShape, shape_from_weight
 
 FORMATS = ("onnx", "npz", "safetensors", "torch")
@@ -37,6 +38,22 @@ _BAD_NAME = re.compile(r"(^|[\\/])\.\.([\\/]|$)|[\x00-\x1f]")
 
 class ModelError(ValueError):
     """Bad model input: says which file, which layer, what was expected."""
+
+
+def _why(exc: BaseException) -> str:
+    """A library's exception in a few words: its type and first sentence
+    (torch and onnx append paragraphs of advice that would bury ours)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = text.split(". ")[0]
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+def numpy_why(exc: BaseException) -> str:
+    """Why np.load(allow_pickle=False) failed. NumPy answers any file it does
+    not recognise by suggesting allow_pickle=True; that advice is wrong here."""
+    if "pickle" in str(exc):
+        return "not a NumPy .npy/.npz file, or one holding Python objects, which sparseconv never unpickles"
+    return _why(exc)
 
 
 @dataclass(frozen=True)
@@ -93,9 +110,11 @@ def load_model(path: Path, fmt: Optional[str] = None, spec_path: Optional[Path] 
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path}: the file is empty; expected a model ({' or '.join(FORMATS)})")
     fmt = fmt or detect_format(path)
     if fmt == "onnx":
-        layers = _load_onnx(path, input_size)
+        layers = read_onnx(path, input_size).layers
     elif fmt in ("npz", "safetensors", "torch"):
         arrays = {"npz": _read_npz, "safetensors": _read_safetensors, "torch": _read_torch}[fmt](path)
         layers = _layers_from_arrays(path, arrays, spec_path, input_size)
@@ -103,6 +122,12 @@ def load_model(path: Path, fmt: Optional[str] = None, spec_path: Optional[Path] 
         raise ModelError(f"{path}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     if not layers:
         raise ModelError(f"{path}: the model has no Conv layer; nothing to compile")
+    check_names(path, layers)
+    return PrunedModel(path, fmt, layers)
+
+
+def check_names(path: Path, layers: List[ConvLayer]) -> None:
+    """Layer names must be unique, also once made file-name safe, and never walk the file system."""
     names = [layer.name for layer in layers]
     for name in names:
         check_layer_name(path, name)
@@ -110,20 +135,28 @@ def load_model(path: Path, fmt: Optional[str] = None, spec_path: Optional[Path] 
         raise ModelError(f"{path}: duplicate layer names: {sorted({n for n in names if names.count(n) > 1})}")
     if len({slug(n) for n in names}) != len(names):
         raise ModelError(f"{path}: layer names collide once made file-name safe; rename the layers")
-    return PrunedModel(path, fmt, layers)
 
 
 def _float_array(path: Path, layer: str, what: str, a: Any) -> np.ndarray:
+    """The array as float32. Finite values too large for float32 are refused
+    here, so that they are not later reported as NaN or Inf."""
     arr = np.asarray(a)
     if arr.dtype.kind != "f":
         raise ModelError(f"{path}: layer {layer}: {what} must be floating point, got {arr.dtype}")
+    if arr.dtype.itemsize > 4 and arr.size:
+        finite = arr[np.isfinite(arr)]
+        biggest = float(np.abs(finite).max()) if finite.size else 0.0
+        if biggest > float(np.finfo(np.float32).max):
+            raise ModelError(f"{path}: layer {layer}: {what} has finite values up to {biggest:.3g}, beyond "
+                             f"float32's {float(np.finfo(np.float32).max):.3g}; the kernels compute in float32")
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def _make_layer(path: Path, name: str, weight: np.ndarray, bias: Optional[np.ndarray],
-                hw: Tuple[int, int], stride: Any, padding: Any, dilation: Any, groups: int) -> ConvLayer:
+                hw: Tuple[int, int], stride: Any, padding: Any, dilation: Any, groups: Any) -> ConvLayer:
     try:
         shape = shape_from_weight(weight, hw, stride, padding, dilation, groups)
+        check_indexing(shape)
     except (TypeError, ValueError) as exc:
         raise ModelError(f"{path}: layer {name}: {exc}") from None
     if bias is not None and bias.shape != (shape.out_channels,):
@@ -138,7 +171,7 @@ def _read_npz(path: Path) -> Dict[str, np.ndarray]:
         archive = np.load(path, allow_pickle=False)
         return {k: archive[k] for k in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise ModelError(f"{path}: not a readable .npz archive ({exc})") from None
+        raise ModelError(f"{path}: not a readable .npz archive ({numpy_why(exc)})") from None
 
 
 def _read_safetensors(path: Path) -> Dict[str, np.ndarray]:
@@ -150,7 +183,7 @@ def _read_safetensors(path: Path) -> Dict[str, np.ndarray]:
     try:
         return load_file(str(path))
     except Exception as exc:  # SafetensorError, OSError, ...
-        raise ModelError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: not a readable safetensors file ({_why(exc)})") from None
 
 
 def _read_torch(path: Path) -> Dict[str, np.ndarray]:
@@ -161,9 +194,8 @@ def _read_torch(path: Path) -> Dict[str, np.ndarray]:
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # never retried with weights_only=False: that would run arbitrary pickle code
-        raise ModelError(f"{path}: cannot load it with torch.load(weights_only=True) ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}); sparseconv never unpickles "
-                         "arbitrary objects: save a plain state dict") from None
+        raise ModelError(f"{path}: cannot load it with torch.load(weights_only=True) ({_why(exc)}); sparseconv "
+                         "never unpickles arbitrary objects: save a plain state dict") from None
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
@@ -215,32 +247,113 @@ def _layers_from_arrays(path: Path, arrays: Dict[str, np.ndarray], spec_path: Op
         hw = (entry.get("in_h"), entry.get("in_w"))
         if hw == (None, None) and input_size is not None:
             hw = input_size
-        if not all(isinstance(v, int) for v in hw):
+        if hw == (None, None):
             raise ModelError(f"{path}: layer {name}: the spec gives no in_h/in_w; pass --input-size")
         bias = arrays.get(f"{name}.bias")
         layers.append(_make_layer(
             path, name, _layer_weight(path, arrays, name),
-            None if bias is None else _float_array(path, name, "bias", bias), hw,
-            _spec_value(entry, "stride", 1), _spec_value(entry, "padding", 0), _spec_value(entry, "dilation", 1),
-            int(entry.get("groups", 1))))
+            None if bias is None else _float_array(path, name, "bias", bias),
+            (_spec_int(path, name, "in_h", hw[0]), _spec_int(path, name, "in_w", hw[1])),
+            _spec_value(path, name, entry, "stride", 1), _spec_value(path, name, entry, "padding", 0),
+            _spec_value(path, name, entry, "dilation", 1), _spec_int(path, name, "groups", entry.get("groups", 1))))
     return layers
 
 
-def _spec_value(entry: Dict[str, Any], key: str, default: int) -> Any:
+def _spec_int(path: Path, name: str, key: str, v: Any) -> int:
+    """A spec number must be a JSON integer: 2.7 or "2" is refused, never rounded."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelError(f"{path}: layer {name}: spec value {key} must be an integer, got {v!r}")
+    return v
+
+
+def _spec_value(path: Path, name: str, entry: Dict[str, Any], key: str, default: int) -> Any:
     v = entry.get(key, default)
-    return tuple(v) if isinstance(v, list) else v
+    if isinstance(v, list) and len(v) == 2:
+        return tuple(_spec_int(path, name, key, x) for x in v)
+    if isinstance(v, list):
+        raise ModelError(f"{path}: layer {name}: spec value {key} must be an integer or a pair, got {v!r}")
+    return _spec_int(path, name, key, v)
 
 
 # --------------------------------------------------------------------------- onnx
 
-def _load_onnx(path: Path, input_size: Optional[Tuple[int, int]]) -> List[ConvLayer]:
+def node_name(node: Any, index: int) -> str:
+    """The name of graph node `index`: its own, else op + index ("conv3").
+    The one naming rule: the compiled layers and the runner's nodes agree."""
+    return node.name or f"{node.op_type.lower()}{index}"
+
+
+@dataclass(frozen=True)
+class OnnxFile:
+    """One parse of an ONNX model: the shape-inferred graph, every initializer
+    as an array (each converted once), and the Conv layers. load_model
+    (compile, inspect) and the runner (run) both read models through it."""
+
+    path: Path
+    graph: Any                         # onnx.GraphProto, shapes inferred
+    constants: Dict[str, np.ndarray]   # initializer name -> array
+    layers: List[ConvLayer]
+
+
+def _safe_external_data(path: Path, model: Any) -> None:
+    """Load external tensor data only from plain files next to the model: a
+    location with a folder part, '..' or a link could read any file."""
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    for t in external:
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        target = path.parent / loc
+        if (not loc or loc != Path(loc).name or loc.startswith(".") or target.is_symlink()
+                or not target.is_file()):
+            raise ModelError(f"{path}: initializer {t.name} keeps its data in {loc!r}, which is not a plain file "
+                             "next to the model; save the model with its data inside (or beside it)")
+        size = target.stat().st_size
+        offset, length = int(info.get("offset", 0) or 0), int(info.get("length", 0) or 0)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ModelError(f"{path}: initializer {t.name}: external data range {offset}+{length} lies outside "
+                             f"{loc} ({size} bytes)")
+    if external:
+        load_external_data_for_model(model, str(path.parent))
+
+
+def _initializer(path: Path, tensor: Any) -> np.ndarray:
+    from onnx import numpy_helper
+
+    n = 1
+    for d in tensor.dims:
+        n *= max(int(d), 0)
+    if n > 2 ** 34:  # more elements than any real layer; refuse before allocating
+        raise ModelError(f"{path}: initializer {tensor.name} declares shape {list(tensor.dims)} ({n} elements); "
+                         "the file is damaged or not a real model")
+    try:
+        return numpy_helper.to_array(tensor)
+    except Exception as exc:  # ValueError from reshape when dims and data disagree, and friends
+        raise ModelError(f"{path}: initializer {tensor.name}: its declared shape {list(tensor.dims)} does not "
+                         f"match its data ({_why(exc)})") from None
+
+
+def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxFile:
+    """Parse an ONNX model once: check it, infer shapes (with the image size
+    fixed to input_size when given), convert the initializers and read every
+    Conv node as a ConvLayer. Raises ModelError naming the file and node."""
+    path = Path(path)
     try:
         import onnx
-        from onnx import numpy_helper, shape_inference
+        from onnx import shape_inference
     except ImportError:
         raise ModelError(f"{path}: reading ONNX needs the onnx package: pip install 'sparseconv[onnx]'") from None
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path}: the file is empty; expected an ONNX model")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and friends
+        raise ModelError(f"{path}: not a readable ONNX model ({_why(exc)})") from None
+    if not model.graph.node:
+        raise ModelError(f"{path}: not an ONNX model, or one with an empty graph (no nodes)")
+    _safe_external_data(path, model)
+    try:
         if input_size is not None:  # fix the image size of every 4-D graph input, then re-infer
             init_names = {t.name for t in model.graph.initializer}
             for inp in model.graph.input:
@@ -248,48 +361,50 @@ def _load_onnx(path: Path, input_size: Optional[Tuple[int, int]]) -> List[ConvLa
                 if inp.name not in init_names and len(dims) == 4:
                     dims[2].dim_value, dims[3].dim_value = input_size
         model = shape_inference.infer_shapes(model)
-    except Exception as exc:  # onnx raises DecodeError and friends
-        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:
+        raise ModelError(f"{path}: ONNX shape inference failed ({_why(exc)})") from None
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
+    constants = {t.name: _initializer(path, t) for t in graph.initializer}
     shapes: Dict[str, List[Optional[int]]] = {}
     for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
         dims = vi.type.tensor_type.shape.dim
         shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    layers = []
-    for i, node in enumerate(graph.node):
-        if node.op_type != "Conv":
-            continue
-        name = node.name or f"conv{i}"
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        where = f"{path}: Conv node {name}"
-        auto_pad = attrs.get("auto_pad", b"NOTSET")
-        auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-        if auto_pad not in ("NOTSET", ""):
-            raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
-        if len(node.input) < 2 or node.input[1] not in inits:
-            raise ModelError(f"{where}: the weight is not a constant initializer; only static weights compile")
-        weight = _float_array(path, name, "weight", numpy_helper.to_array(inits[node.input[1]]))
-        if weight.ndim != 4:
-            raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")
-        bias = None
-        if len(node.input) > 2 and node.input[2]:
-            if node.input[2] not in inits:
-                raise ModelError(f"{where}: the bias is not a constant initializer")
-            bias = _float_array(path, name, "bias", numpy_helper.to_array(inits[node.input[2]]))
-        pads = list(attrs.get("pads", [0, 0, 0, 0]))
-        if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
-            raise ModelError(f"{where}: asymmetric pads {pads} are not supported (need top == bottom, "
-                             "left == right)")
-        if "kernel_shape" in attrs and tuple(attrs["kernel_shape"]) != weight.shape[2:]:
-            raise ModelError(f"{where}: kernel_shape {attrs['kernel_shape']} disagrees with the weight "
-                             f"{weight.shape}")
-        in_shape = shapes.get(node.input[0])
-        if in_shape is not None and len(in_shape) == 4 and in_shape[2] and in_shape[3]:
-            hw: Tuple[int, int] = (int(in_shape[2]), int(in_shape[3]))
-        else:
-            raise ModelError(f"{where}: the graph gives no static input size for this layer; pass --input-size")
-        layers.append(_make_layer(path, name, weight, bias, hw, tuple(attrs.get("strides", (1, 1))),
-                                  (pads[0], pads[1]), tuple(attrs.get("dilations", (1, 1))),
-                                  int(attrs.get("group", 1))))
-    return layers
+    layers = [_onnx_conv(path, node_name(node, i), node, constants, shapes)
+              for i, node in enumerate(graph.node) if node.op_type == "Conv"]
+    return OnnxFile(path, graph, constants, layers)
+
+
+def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray],
+               shapes: Dict[str, List[Optional[int]]]) -> ConvLayer:
+    import onnx
+
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    where = f"{path}: Conv node {name}"
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad not in ("NOTSET", ""):
+        raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
+    if len(node.input) < 2 or node.input[1] not in constants:
+        raise ModelError(f"{where}: the weight is not a constant initializer; only static weights compile")
+    weight = _float_array(path, name, "weight", constants[node.input[1]])
+    if weight.ndim != 4:
+        raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")
+    bias = None
+    if len(node.input) > 2 and node.input[2]:
+        if node.input[2] not in constants:
+            raise ModelError(f"{where}: the bias is not a constant initializer")
+        bias = _float_array(path, name, "bias", constants[node.input[2]])
+    pads = list(attrs.get("pads", [0, 0, 0, 0]))
+    if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
+        raise ModelError(f"{where}: asymmetric pads {pads} are not supported (need top == bottom, "
+                         "left == right)")
+    if "kernel_shape" in attrs and tuple(attrs["kernel_shape"]) != weight.shape[2:]:
+        raise ModelError(f"{where}: kernel_shape {attrs['kernel_shape']} disagrees with the weight "
+                         f"{weight.shape}")
+    in_shape = shapes.get(node.input[0])
+    if in_shape is not None and len(in_shape) == 4 and in_shape[2] and in_shape[3]:
+        hw: Tuple[int, int] = (int(in_shape[2]), int(in_shape[3]))
+    else:
+        raise ModelError(f"{where}: the graph gives no static input size for this layer; pass --input-size")
+    return _make_layer(path, name, weight, bias, hw, tuple(attrs.get("strides", (1, 1))), (pads[0], pads[1]),
+                       tuple(attrs.get("dilations", (1, 1))), attrs.get("group", 1))

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .dense import conv2d_im2col
-from .model import ConvLayer, ModelError, load_model
+from .api import compile_layers
+from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 
 
 @dataclass(frozen=True)
@@ -159,34 +160,42 @@ OPS: Dict[str, Callable[..., Any]] = {
 # --------------------------------------------------------------------------- loading
 
 def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxProgram:
-    """Parse an ONNX model for running. Raises ModelError naming the file and
-    node for anything the runner cannot execute."""
+    """Parse an ONNX model for running (through model.read_onnx, the parse
+    compile and inspect use too). Raises ModelError naming the file and node
+    for anything the runner cannot execute."""
     path = Path(path)
-    pruned = load_model(path, "onnx", None, input_size)  # validates every Conv node
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file")
+    parsed = read_onnx(path, input_size)
+    if not parsed.layers:
+        raise ModelError(f"{path}: the model has no Conv layer; nothing for sparseconv to run")
+    check_names(path, parsed.layers)
     import onnx
     from onnx import numpy_helper
 
-    graph = onnx.load(str(path)).graph
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    graph = parsed.graph
+    constants = dict(parsed.constants)
     inputs = [i for i in graph.input if i.name not in constants]
     if len(inputs) != 1:
         raise ModelError(f"{path}: the runner needs exactly one graph input, found {[i.name for i in inputs]}")
     dims = [d.dim_value or None for d in inputs[0].type.tensor_type.shape.dim]
     if input_size is not None and len(dims) == 4:
         dims[2:] = input_size
-    convs = {layer.name: layer for layer in pruned.layers}
+    convs = {layer.name: layer for layer in parsed.layers}
     nodes = []
     for i, nd in enumerate(graph.node):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
-        name = nd.name or f"{nd.op_type.lower()}{i}"
-        if nd.op_type == "Conv":
-            name = nd.name or f"conv{i}"  # the name model.load_model gave the layer
-        elif nd.op_type == "Constant":
+        name = node_name(nd, i)
+        if nd.op_type == "Constant":
             if "value" not in attrs:
                 raise ModelError(f"{path}: Constant node {name}: only the 'value' attribute is supported")
-            constants[nd.output[0]] = numpy_helper.to_array(attrs["value"])
+            try:
+                constants[nd.output[0]] = numpy_helper.to_array(attrs["value"])
+            except Exception as exc:
+                raise ModelError(f"{path}: Constant node {name}: its value does not match its declared shape "
+                                 f"({type(exc).__name__}: {exc})") from None
             continue
-        elif nd.op_type not in OPS:
+        if nd.op_type != "Conv" and nd.op_type not in OPS:
             raise ModelError(f"{path}: node {name} has operator {nd.op_type}, which `sparseconv run` does not "
                              f"support (supported: Conv, Constant, {', '.join(sorted(OPS))}); use the PyTorch "
                              "drop-in sparseconv.torch.sparsify for other models")
@@ -260,8 +269,6 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took."""
-    from .api import compile_layers
-
     program = load_program(path, input_size)
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
@@ -305,7 +312,7 @@ def load_data(path: Path, program: OnnxProgram, input_key: Optional[str] = None,
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         if isinstance(exc, ModelError):
             raise
-        raise ModelError(f"{path}: cannot read data as .npy or .npz ({type(exc).__name__}: {exc})") from None
+        raise ModelError(f"{path}: cannot read data as .npy or .npz ({numpy_why(exc)})") from None
     if x.dtype.kind != "f":
         raise ModelError(f"{path}: inputs must be floating point (scaled as in training), got {x.dtype}")
     want = program.input_shape

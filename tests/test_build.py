@@ -203,8 +203,10 @@ def test_compile_conv2d_builds_for_an_explicit_target_without_a_gpu(tmp_path):
         assert type(exc).__module__.startswith("cupy"), repr(exc)
     layer = build_conv2d(w, SHAPE, tiling=TILING, target=Target("sm_90"), cache=ArtifactCache(tmp_path))
     assert layer.stats["kernel_cache_hit"] and layer.target.arch == "sm_90"
-    with pytest.raises(TypeError, match="target must be a sparseconv.Target"):
-        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), target="sm_90", cache_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="target must be a sparseconv.Target or a string"):
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), target=90, cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="target arch must look like"):
+        compile_conv2d(w, input_size=(SHAPE.in_h, SHAPE.in_w), target="hopper", cache_dir=str(tmp_path))
 
 
 def test_building_imports_no_run_time_code():

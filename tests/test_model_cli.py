@@ -215,3 +215,24 @@ def test_torch_checkpoint_is_never_unpickled_unsafely(tmp_path, capsys):
     assert r.exit_code == 2 and "weights_only=True" in r.output
     assert "this must never run" not in capsys.readouterr().out + r.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.nvcc
+def test_compile_bundle_api_writes_what_the_cli_writes(tmp_path, session_cache_dir):
+    """sparseconv.bundle.compile_bundle is `sparseconv compile` for Python callers:
+    the same files, byte for byte, and the same manifest but for timings."""
+    from sparseconv.bundle import compile_bundle
+
+    model = write_npz(tmp_path / "m.npz")
+    cli_out, api_out = tmp_path / "cli", tmp_path / "api"
+    r = CliRunner().invoke(main, ["compile", str(model), "-o", str(cli_out), "--cache-dir", str(session_cache_dir)])
+    assert r.exit_code == 0, r.output
+    manifest = compile_bundle(load_model(model), api_out, cache_dir=str(session_cache_dir))
+    assert json.loads(json.dumps(manifest)) == json.loads((api_out / "manifest.json").read_text())
+    assert sorted(p.name for p in cli_out.iterdir()) == sorted(p.name for p in api_out.iterdir())
+    for f in cli_out.iterdir():
+        if f.name != "manifest.json":
+            assert (api_out / f.name).read_bytes() == f.read_bytes(), f.name
+    timing = {"seconds", "wall_s", "cache_hit"}
+    strip = lambda m: [{k: v for k, v in e.items() if k not in timing} for e in m["layers"]]  # noqa: E731
+    assert strip(json.loads(json.dumps(manifest))) == strip(json.loads((cli_out / "manifest.json").read_text()))

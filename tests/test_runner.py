@@ -249,3 +249,29 @@ def test_run_refuses_bad_input_with_exit_2_and_writes_nothing(tmp_path, case):
 def test_run_help_has_an_example():
     r = CliRunner().invoke(main, ["run", "--help"])
     assert r.exit_code == 0 and "sparseconv run models/lenet_digits_pruned.onnx" in r.output
+
+
+def test_one_parse_and_one_naming_rule_for_compile_and_run(tmp_path, monkeypatch):
+    """load_model (compile, inspect) and load_program (run) read the file
+    through model.read_onnx, once each, and name unnamed nodes alike."""
+    from sparseconv import model as model_mod
+
+    rng = np.random.default_rng(0)
+    inits = {"w1": pruned_weight(rng, (4, 2, 3, 3), 0.5), "w2": pruned_weight(rng, (3, 4, 1, 1), 0.5)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], pads=[1, 1, 1, 1]),  # unnamed
+             helper.make_node("Relu", ["a"], ["r"]),                          # unnamed
+             helper.make_node("Conv", ["r", "w2"], ["out"])]                   # unnamed
+    path = _save(tmp_path, nodes, inits, [1, 2, 6, 6])
+    loads = []
+    real_load = onnx.load
+    monkeypatch.setattr(onnx, "load", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
+    program = load_program(path)
+    assert len(loads) == 1
+    pruned = model_mod.load_model(path)
+    assert len(loads) == 2
+    assert [layer.name for layer in pruned.layers] == ["conv0", "conv2"]
+    assert [n.name for n in program.nodes] == ["conv0", "relu1", "conv2"]
+    assert sorted(program.convs) == ["conv0", "conv2"]
+    for layer in pruned.layers:
+        np.testing.assert_array_equal(program.convs[layer.name].weight, layer.weight)
+        assert program.convs[layer.name].shape == layer.shape

@@ -1,0 +1,667 @@
+"""CPU fault injection (issue 11): bad files of every format, hostile ONNX,
+arguments out of range, awkward output folders, a killed compile, concurrent
+writers, a damaged cache. Every case ends in a correct result, or in exit 2
+(exit 1 for a damaged tool or cache) with one clear line and nothing partial
+written. Grow this file with every new way in."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sparseconv.bundle import BundleError, check_output_dir, compile_bundle
+from sparseconv.cli import main
+from sparseconv.limits import MAX_BODY_COPIES, LimitError, check_layer
+from sparseconv.model import ModelError, load_model
+from sparseconv.parallel import LayerJob, build_many
+from sparseconv.shapes import ConvShape, shape_from_weight
+
+from sparseconv.testing import pruned_weight
+
+REPO = Path(__file__).resolve().parent.parent
+LENET = REPO / "models" / "lenet_digits_pruned.onnx"
+DIGITS = REPO / "models" / "digits_test.npz"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def files_under(folder: Path) -> set:
+    return {p.relative_to(folder) for p in folder.rglob("*")}
+
+
+def refused(r, needle: str, code: int = 2) -> None:
+    """Exit `code`, no traceback, the error on one line naming `needle`."""
+    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
+    assert isinstance(r.exception, SystemExit), r.exception
+    assert "Traceback" not in r.output
+    error = [line for line in r.output.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1, r.output
+    assert needle in error[0], r.output
+    assert len(error[0]) < 500, error[0]
+
+
+def spec_bytes(spec) -> np.ndarray:
+    return np.frombuffer(json.dumps(spec).encode(), np.uint8)
+
+
+def write_npz(path: Path, spec=None, seed: int = 0, **extra) -> Path:
+    w = pruned_weight(np.random.default_rng(seed), (4, 3, 3, 3), 0.7)
+    spec = spec if spec is not None else [dict(name="conv", in_h=6, in_w=6, padding=1)]
+    np.savez(path, conv=w, __spec__=spec_bytes(spec), **extra)
+    return path
+
+
+def compile_args(model: Path, out: Path, cache: Path, *extra: str) -> list:
+    return ["compile", str(model), "-o", str(out), "--cache-dir", str(cache), "--jobs", "1", *extra]
+
+
+def onnx_conv_model(path: Path, weight: np.ndarray, in_hw=(6, 6), **attrs) -> Path:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", **attrs)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, weight.shape[1], *in_hw])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+# --------------------------------------------------------------------------- damaged files of every format
+
+def _damaged(tmp_path: Path, fmt: str, damage: str) -> Path:
+    good = {"npz": lambda p: write_npz(p),
+            "onnx": lambda p: onnx_conv_model(p, np.ones((2, 1, 3, 3), np.float32)),
+            "safetensors": lambda p: pytest.importorskip("safetensors.numpy").save_file(
+                {"conv.weight": np.ones((2, 1, 3, 3), np.float32)}, str(p)),
+            "pt": lambda p: pytest.importorskip("torch").save(
+                {"conv.weight": pytest.importorskip("torch").ones(2, 1, 3, 3)}, str(p))}
+    path = tmp_path / f"model.{fmt}"
+    good[fmt](path)
+    data = path.read_bytes()
+    path.write_bytes({"empty": b"", "truncated": data[:len(data) // 2],
+                      "garbage": bytes(range(256)) * 4}[damage])
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["npz", "onnx", "safetensors", "pt"])
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_damaged_model_files_exit_2_and_write_nothing(tmp_path, fmt, damage):
+    path = _damaged(tmp_path, fmt, damage)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps([dict(name="conv", in_h=6, in_w=6)]))
+    before = files_under(tmp_path)
+    for verb in (compile_args(path, tmp_path / "out", tmp_path / "cache", "--spec", str(spec)),
+                 ["inspect", str(path), "--spec", str(spec)]):
+        r = CliRunner().invoke(main, verb)
+        refused(r, str(path))
+        if damage == "empty":
+            assert "empty" in r.output  # not "no Conv layer" (issue 11, defect 7)
+    assert files_under(tmp_path) == before
+
+
+def test_damaged_npy_for_layer(tmp_path):
+    cases = {"empty.npy": b"", "truncated.npy": b"\x93NUMPY\x01\x00v\x00{'descr': '<f4', 'fortran_order'"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    np.save(tmp_path / "ints.npy", np.ones((2, 1, 3, 3), np.int32))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.savez(tmp_path / "archive.npz", w=np.ones((2, 1, 3, 3), np.float32))
+    before = files_under(tmp_path)
+    for name, needle in [("empty.npy", "empty or truncated"), ("truncated.npy", "cannot read"),
+                         ("ints.npy", "floating point"), ("objects.npy", "cannot read"),
+                         ("archive.npz", "is an .npz archive")]:
+        r = CliRunner().invoke(main, ["layer", str(tmp_path / name), "--input-size", "8",
+                                      "--cache-dir", str(tmp_path / "cache")])
+        refused(r, needle)
+        assert "Aborted" not in r.output
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "pickled"])
+def test_damaged_data_for_run(tmp_path, damage):
+    data = tmp_path / "data.npy"
+    if damage == "pickled":
+        np.save(data, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    else:
+        np.save(data, np.zeros((3, 1, 8, 8), np.float32))
+        data.write_bytes(b"" if damage == "empty" else data.read_bytes()[:90])
+    before = files_under(tmp_path)
+    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(data), "--backend", "reference",
+                                  "-o", str(tmp_path / "y.npy")])
+    refused(r, str(data))
+    assert files_under(tmp_path) == before
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch sparseconv-pwned",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_malicious_pickles_never_run(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    plain = tmp_path / "plain.pt"
+    plain.write_bytes(pickle.dumps({"conv.weight": Boom()}))
+    zipped = tmp_path / "zipped.pt"
+    torch.save({"conv.weight": torch.zeros(2, 1, 3, 3), "evil": Boom()}, zipped)
+    npz = tmp_path / "objects.npz"
+    np.savez(npz, conv=np.array([Boom()], dtype=object), __spec__=spec_bytes([dict(name="conv", in_h=6, in_w=6)]))
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps([dict(name="conv", in_h=6, in_w=6)]))
+    for path in (plain, zipped, npz):
+        r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache", "--spec", str(spec)))
+        refused(r, str(path))
+        assert not (tmp_path / "sparseconv-pwned").exists()
+        assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- layer specs
+
+@pytest.mark.parametrize("entry, needle", [
+    (dict(groups="abc"), "groups must be an integer"),
+    (dict(groups=None), "groups must be an integer"),
+    (dict(groups=2.7), "groups must be an integer"),     # never silently groups 2 (defect 6)
+    (dict(groups=True), "groups must be an integer"),
+    (dict(stride=[1, 2, 3]), "stride must be an integer or a pair"),
+    (dict(padding="1"), "padding must be an integer"),
+    (dict(in_h=6.5), "in_h must be an integer"),
+    (dict(in_h=2 ** 40, in_w=2 ** 40), "32-bit"),
+    (dict(dilation=0), "dilation must be >= 1"),
+    (dict(stride=-1), "stride must be >= 1"),
+])
+def test_bad_spec_values_are_refused(tmp_path, entry, needle):
+    spec = [dict(dict(name="conv", in_h=6, in_w=6), **entry)]
+    path = write_npz(tmp_path / "m.npz", spec=spec)
+    with pytest.raises(ModelError, match=needle):
+        load_model(path)
+    r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache"))
+    refused(r, needle)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- hostile ONNX
+
+def test_onnx_external_data_outside_the_model_folder_is_refused(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto
+
+    path = onnx_conv_model(tmp_path / "m.onnx", np.ones((2, 1, 3, 3), np.float32))
+    model = onnx.load(str(path))
+    t = model.graph.initializer[0]
+    t.ClearField("raw_data")
+    t.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "../../../../etc/passwd"), ("offset", "0"), ("length", "72")):
+        e = t.external_data.add()
+        e.key, e.value = key, value
+    onnx.save(model, str(path))
+    r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache"))
+    refused(r, "not a plain file next to the model")
+    assert not (tmp_path / "out").exists()
+
+
+def test_onnx_external_data_beside_the_model_loads(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    w = pruned_weight(np.random.default_rng(3), (2, 1, 3, 3), 0.5)
+    path = onnx_conv_model(tmp_path / "m.onnx", w)
+    model = onnx.load(str(path))
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="m.data",
+              size_threshold=0)
+    assert (tmp_path / "m.data").is_file()
+    np.testing.assert_array_equal(load_model(path).layers[0].weight, w)
+
+
+def test_onnx_initializer_shape_disagreeing_with_data(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    path = onnx_conv_model(tmp_path / "m.onnx", np.ones((2, 1, 3, 3), np.float32))
+    model = onnx.load(str(path))
+    model.graph.initializer[0].dims[0] = 5  # says 5x1x3x3, holds 2x1x3x3
+    onnx.save(model, str(path))
+    for verb in (compile_args(path, tmp_path / "out", tmp_path / "cache"), ["inspect", str(path)],
+                 ["run", str(path), "--data", str(DIGITS), "--backend", "reference"]):
+        refused(CliRunner().invoke(main, verb), "does not match its data")
+    assert not (tmp_path / "out").exists()
+
+
+def test_onnx_huge_declared_sizes(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    path = onnx_conv_model(tmp_path / "m.onnx", np.ones((2, 1, 3, 3), np.float32))
+    model = onnx.load(str(path))
+    model.graph.initializer[0].dims[:] = [2 ** 20, 2 ** 20, 3, 3]
+    onnx.save(model, str(path))
+    refused(CliRunner().invoke(main, ["inspect", str(path)]), "elements")
+    big = onnx_conv_model(tmp_path / "big.onnx", np.ones((2, 1, 3, 3), np.float32), in_hw=(100000, 100000))
+    refused(CliRunner().invoke(main, compile_args(big, tmp_path / "out", tmp_path / "cache")), "32-bit")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- arguments out of range
+
+@pytest.fixture
+def weight_npy(tmp_path):
+    path = tmp_path / "w.npy"
+    np.save(path, pruned_weight(np.random.default_rng(0), (4, 2, 3, 3), 0.7))
+    return path
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--input-size", "99999999999999999999"], "--input-size must be between"),
+    (["--input-size", "0"], "--input-size must be between"),
+    (["--input-size", "-3"], "--input-size must be between"),
+    (["--input-size", "3.5"], "--input-size must look like"),
+    (["--input-size", "8x8x8"], "--input-size must look like"),
+    (["--input-size", "8", "--groups", "2.7"], "'2.7' is not a valid integer"),
+    (["--input-size", "8", "--groups", "0"], "--groups"),
+    (["--input-size", "8", "--stride", "0"], "--stride must be between"),
+    (["--input-size", "8", "--padding", "-1"], "--padding must be between"),
+    (["--input-size", "8", "--dilation", "0"], "--dilation must be between"),
+    (["--input-size", "8", "--dilation", "1000"], "output would be empty"),
+    (["--input-size", "2000", "--dilation", "300"], "no tiling fits shared memory"),
+    (["--input-size", "46341x46341"], "32-bit"),
+    (["--input-size", "8", "--target", "foo"], "target arch must look like"),
+    (["--input-size", "8", "--emit-ptx", "/nonexistent-folder/x.ptx"], "does not exist"),
+])
+def test_layer_arguments_out_of_range(tmp_path, weight_npy, args, needle):
+    before = files_under(tmp_path)
+    r = CliRunner().invoke(main, ["layer", str(weight_npy), *args, "--cache-dir", str(tmp_path / "cache")])
+    refused(r, needle)
+    assert files_under(tmp_path) == before
+
+
+def test_100000_groups_is_refused_at_once(tmp_path):
+    path = tmp_path / "dw.npy"
+    np.save(path, np.ones((100000, 1, 3, 3), np.float32))
+    t = time.perf_counter()
+    r = CliRunner().invoke(main, ["layer", str(path), "--input-size", "8", "--groups", "100000",
+                                  "--cache-dir", str(tmp_path / "cache")])
+    refused(r, "65535")
+    assert time.perf_counter() - t < 10 and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--jobs", "0"], "--jobs"), (["--min-sparsity", "2"], "--min-sparsity"), (["--target", "foo"], "--target"),
+    (["--input-size", "99999999999999999999"], "--input-size"), (["--layers", "nomatch*"], "no layer left"),
+])
+def test_compile_arguments_out_of_range(tmp_path, args, needle):
+    model = write_npz(tmp_path / "m.npz")
+    before = files_under(tmp_path)
+    refused(CliRunner().invoke(main, compile_args(model, tmp_path / "out", tmp_path / "cache", *args)), needle)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--batch-size", "0"], "--batch-size"), (["-o", "/nonexistent-folder/y.npy"], "does not exist"),
+    (["-o", "y.txt"], "must end in .npy"), (["--input-size", "0"], "--input-size"),
+])
+def test_run_arguments_out_of_range(tmp_path, args, needle):
+    before = files_under(tmp_path)
+    refused(CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--backend", "reference", *args]),
+            needle)
+    assert files_under(tmp_path) == before
+
+
+def test_api_arguments_out_of_range(tmp_path):
+    w = np.ones((4, 2, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        shape_from_weight(w, 8, groups=2.7)
+    with pytest.raises(TypeError, match="stride must be an int or a pair"):
+        shape_from_weight(w, 8, stride=1.5)
+    with pytest.raises(LimitError, match="32-bit"):
+        check_layer(ConvShape(2, 4, 2 ** 31, 1, 3, 1, padding=(1, 0)))
+    with pytest.raises(LimitError, match="65535"):
+        check_layer(ConvShape(100000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))
+    with pytest.raises(LimitError, match=str(MAX_BODY_COPIES)):
+        check_layer(ConvShape(512, 4096, 7, 7, 7, 7))  # VGG's fc6 as a conv: 65536 body copies
+    with pytest.raises(ValueError, match="layer dw: .*65535"):
+        build_many([LayerJob("dw", np.ones((100000, 1, 3, 3), np.float32),
+                             ConvShape(100000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))],
+                   cache_dir=str(tmp_path / "cache"), progress=False)
+    model = load_model(write_npz(tmp_path / "m.npz"))
+    (tmp_path / "a_file").write_text("x")
+    for bad in (tmp_path / "a_file", tmp_path / "a_file" / "under"):
+        with pytest.raises(BundleError, match="choose another -o"):
+            compile_bundle(model, bad, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    # The largest accepted image: one input element short of 2**31.
+    check_layer(ConvShape(1, 1, 46340, 46340, 1, 1))
+
+
+# --------------------------------------------------------------------------- output folders
+
+@pytest.mark.parametrize("where", ["file", "under_file", "dot", "foreign", "foreign_manifest", "symlink", "proc"])
+def test_output_folders_that_cannot_be_replaced(tmp_path, monkeypatch, where):
+    model = write_npz(tmp_path / "m.npz")
+    (tmp_path / "a_file").write_text("x")
+    out = {"file": tmp_path / "a_file", "under_file": tmp_path / "a_file" / "out", "dot": Path("."),
+           "foreign": tmp_path / "mine", "foreign_manifest": tmp_path / "mine", "symlink": tmp_path / "link",
+           "proc": Path("/proc/sparseconv-out")}[where]
+    if where.startswith("foreign"):
+        (out / "src").mkdir(parents=True)
+        (out / "src" / "index.js").write_text("keep me")
+        if where == "foreign_manifest":  # issue 11 defect 1: this folder used to be deleted whole
+            (out / "manifest.json").write_text("{}")
+    if where == "symlink":
+        (tmp_path / "real").mkdir()
+        out.symlink_to(tmp_path / "real")
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc")
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    r = CliRunner().invoke(main, compile_args(model, out, tmp_path / "cache"))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert files_under(tmp_path) == before
+    if where.startswith("foreign"):
+        assert (out / "src" / "index.js").read_text() == "keep me"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes into read-only folders; the /proc case covers an unwritable place")
+def test_read_only_parent_folder(tmp_path):
+    model = write_npz(tmp_path / "m.npz")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        refused(CliRunner().invoke(main, compile_args(model, ro / "out", tmp_path / "cache")), "cannot write in")
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.mark.nvcc
+def test_bundle_folder_mode_replacement_and_long_names(tmp_path, session_cache_dir):
+    long_name = "block." * 60 + "conv"  # 364 characters: too long for a file name as it is
+    w = pruned_weight(np.random.default_rng(0), (4, 3, 3, 3), 0.7)
+    spec = [dict(name=long_name, in_h=6, in_w=6, padding=1)]
+    model = tmp_path / "m.npz"
+    np.savez(model, **{long_name: w}, __spec__=spec_bytes(spec))
+    out = tmp_path / "out"
+    for _ in range(2):  # the second run replaces the first bundle
+        r = CliRunner().invoke(main, compile_args(model, out, session_cache_dir))
+        assert r.exit_code == 0, r.output
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["layers"][0]["name"] == long_name
+    assert all(len(p.name) < 200 for p in out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.npz", "out"]  # no .tmp or .old left
+    (out / "notes.txt").write_text("mine now")
+    r = CliRunner().invoke(main, compile_args(model, out, session_cache_dir))
+    refused(r, "not a sparseconv bundle")
+    assert (out / "notes.txt").read_text() == "mine now"
+
+
+# --------------------------------------------------------------------------- kill the main process
+
+def _slow_model(folder: Path) -> Path:
+    """Four depthwise layers with fresh weights: several seconds of nvcc each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(time.time_ns() % 2 ** 32)
+    arrays = {f"dw{i}": rng.standard_normal((192, 1, 3, 3)).astype(np.float32) for i in range(4)}
+    spec = [dict(name=n, in_h=8, in_w=8, padding=1, groups=192) for n in arrays]
+    np.savez(folder / "slow.npz", **arrays, __spec__=spec_bytes(spec))
+    return folder / "slow.npz"
+
+
+def _children(pid: int) -> list:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat_line = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _sparseconv(*args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "sparseconv", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="walks /proc to find the workers")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_the_main_compile_stops_its_workers(tmp_path, sig):
+    model = _slow_model(tmp_path)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    proc = _sparseconv(*compile_args(model, out, cache)[:-2], "--jobs", "2")
+    deadline = time.time() + 60
+    workers: list = []
+    while time.time() < deadline:  # until the workers run nvcc: mid-compile
+        workers = _children(proc.pid)
+        if workers and any(_children(w) for w in workers):
+            break
+        time.sleep(0.05)
+    assert workers, "the compile never started its workers"
+    os.kill(proc.pid, sig)
+    t = time.perf_counter()
+    _, err = proc.communicate(timeout=60)
+    assert time.perf_counter() - t < 5  # stopped, not waiting for the layers in flight
+    assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig)
+    assert "Traceback" not in err
+    deadline = time.time() + 10  # a worker finishing its layer took minutes before the fix
+    while time.time() < deadline and any(_running(w) for w in workers):
+        time.sleep(0.1)
+    assert not [w for w in workers if _running(w)]
+    assert not out.exists()
+    if sig == signal.SIGTERM:
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["slow.npz"]
+    # The next compile completes, and leaves nothing of the killed one behind.
+    done = _sparseconv(*compile_args(model, out, cache), "--layers", "dw0")
+    _, err = done.communicate(timeout=300)
+    assert done.returncode == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out", "slow.npz"]
+
+
+# --------------------------------------------------------------------------- concurrent writers
+
+@pytest.mark.nvcc
+def test_concurrent_compiles_into_one_folder_and_one_cache(tmp_path):
+    model = write_npz(tmp_path / "m.npz", seed=int(time.time()) % 1000)  # cold cache: they race in it too
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    procs = [_sparseconv(*compile_args(model, out, cache), "--json") for _ in range(8)]
+    results = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    for (stdout, err), rc in results:
+        assert rc == 0 and "Traceback" not in err, err
+        assert json.loads(stdout)["layers"][0]["name"] == "conv"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "m.npz", "out"]  # no .old-PID, no .tmp
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {p.name for p in out.iterdir()} == {"manifest.json", manifest["layers"][0]["ptx"],
+                                               manifest["layers"][0]["binary"]}
+    r = CliRunner().invoke(main, ["cache", "verify", "--cache-dir", str(cache)])
+    assert r.exit_code == 0, r.output
+
+
+def test_leftovers_of_dead_writers_are_removed(tmp_path):
+    """A writer killed between its renames leaves .out.tmp-PID-* / .out.old-PID;
+    the next writer to that folder removes them (PID 2**22+1 is never alive)."""
+    from sparseconv.bundle import _remove_leftovers
+
+    dead = 2 ** 22 + 1
+    (tmp_path / f".out.tmp-{dead}-abc").mkdir()
+    (tmp_path / f".out.old-{dead}").mkdir()
+    (tmp_path / f".out.old-{os.getpid()}").mkdir()  # alive: left alone
+    (tmp_path / ".other.old-1").mkdir()
+    _remove_leftovers(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".out.old-{os.getpid()}", ".other.old-1"])
+    assert check_output_dir(tmp_path / "out") == tmp_path / "out"
+
+
+# --------------------------------------------------------------------------- misleading messages
+
+def test_finite_float64_weights_beyond_float32_are_named_as_such(tmp_path):
+    spec = [dict(name="conv", in_h=6, in_w=6)]
+    path = tmp_path / "m.npz"
+    np.savez(path, conv=np.full((2, 1, 3, 3), 1e300), __spec__=spec_bytes(spec))
+    r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache"))
+    refused(r, "beyond float32")
+    assert "NaN" not in r.output
+
+
+def test_nonfinite_weights_are_refused_unless_allowed(tmp_path):
+    w = np.ones((2, 1, 3, 3), np.float32)
+    w[0, 0, 0, 0] = np.nan
+    path = tmp_path / "m.npz"
+    np.savez(path, conv=w, __spec__=spec_bytes([dict(name="conv", in_h=6, in_w=6)]))
+    refused(CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache")), "--allow-nonfinite")
+
+
+@pytest.mark.nvcc
+def test_nvcc_failure_is_one_line_without_python_advice(tmp_path, monkeypatch):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo fake nvcc 0.0; exit 0; }\n"
+                    "echo 'fatal error: something broke' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SPARSECONV_NVCC", str(fake))
+    from sparseconv.compile import tool_identity
+    tool_identity.cache_clear()
+    try:
+        r = CliRunner().invoke(main, compile_args(write_npz(tmp_path / "m.npz"), tmp_path / "out",
+                                                  tmp_path / "cache"))
+    finally:
+        tool_identity.cache_clear()
+    refused(r, "something broke", code=1)
+    assert ".dump()" not in r.output and not (tmp_path / "out").exists()
+
+
+def test_cache_clear_on_an_unwritable_cache_does_not_claim_success(tmp_path):
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        pytest.skip("root deletes from read-only folders")
+    cache = tmp_path / "cache"
+    entry = cache / "kernel" / "ab" / ("ab" * 32 + ".ptx")
+    entry.parent.mkdir(parents=True)
+    entry.write_text("x")
+    entry.parent.chmod(0o555)
+    try:
+        r = CliRunner().invoke(main, ["cache", "clear", "--cache-dir", str(cache)])
+        assert r.exit_code == 1 and "left" in r.output, r.output
+    finally:
+        entry.parent.chmod(0o755)
+
+
+# --------------------------------------------------------------------------- cache damage
+
+def _cache_files(cache: Path, kind: str, suffix: str) -> list:
+    return [p for p in (cache / kind).rglob(f"*{suffix}") if p.is_file()]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kind, suffix, damage", [
+    ("template", ".ptx", "delete"), ("template", ".ptx", "corrupt"),
+    ("kernel", ".cubin", "delete"), ("kernel", ".cubin", "corrupt"),
+    ("kernel", ".json", "delete"), ("kernel", ".json", "corrupt"),
+    pytest.param("kernel", ".ptx", "delete"),   # issue 11 defect 2
+    pytest.param("kernel", ".ptx", "corrupt"),
+])
+def test_damaged_cache_entries_heal(tmp_path, kind, suffix, damage):
+    model = write_npz(tmp_path / "m.npz", seed=7)
+    cache = tmp_path / "cache"
+    r = CliRunner().invoke(main, compile_args(model, tmp_path / "first", cache))
+    assert r.exit_code == 0, r.output
+    victims = _cache_files(cache, kind, suffix)
+    assert victims, sorted(str(p) for p in cache.rglob("*"))
+    for p in victims:
+        if damage == "delete":
+            p.unlink()
+        else:
+            p.write_bytes(b"garbage" + p.read_bytes()[7:])
+    r = CliRunner().invoke(main, compile_args(model, tmp_path / "second", cache))
+    assert r.exit_code == 0, r.output
+    first, second = tmp_path / "first", tmp_path / "second"
+    for f in first.iterdir():
+        if f.name != "manifest.json":
+            assert (second / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+# --------------------------------------------------------------------------- defects 2, 3 and 9
+
+@pytest.mark.nvcc
+def test_one_input_channel_1x1_conv_compiles(tmp_path):
+    """Issue 11 defect 3: np.ones((64, 1, 1, 1)) at 8x8 raised SpecialiseError."""
+    path = tmp_path / "w.npy"
+    np.save(path, np.ones((64, 1, 1, 1), np.float32))
+    r = CliRunner().invoke(main, ["layer", str(path), "--input-size", "8", "--cache-dir", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.nvcc
+def test_compile_conv2d_builds_without_a_gpu_when_given_a_target(tmp_path):
+    """Issue 11 defect 9: building must not ask the device for its target."""
+    import sparseconv
+
+    w = pruned_weight(np.random.default_rng(0), (4, 2, 3, 3), 0.7)
+    try:
+        sparseconv.compile_conv2d(w, input_size=8, target="sm_90", cache_dir=str(tmp_path / "cache"))
+    except Exception:
+        pass  # loading may need the GPU; the build must have happened first
+    assert _cache_files(tmp_path / "cache", "kernel", ".cubin")
+
+
+def test_a_layer_over_the_build_limits_is_listed_by_inspect_and_refused_by_compile(tmp_path):
+    """Loading stays possible (inspect shows why), building is refused up front, naming the layer."""
+    spec = [dict(name="conv", in_h=6, in_w=6, padding=1), dict(name="wide", in_h=1, in_w=1, groups=100000)]
+    path = write_npz(tmp_path / "m.npz", spec=spec, wide=np.ones((100000, 1, 1, 1), np.float32))
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "refused:" in next(line for line in r.output.splitlines() if line.startswith("wide"))
+    r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache"))
+    refused(r, "layer wide")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    if shutil.which("nvcc"):  # the other layers still compile
+        r = CliRunner().invoke(main, compile_args(path, tmp_path / "out", tmp_path / "cache", "--layers", "conv"))
+        assert r.exit_code == 0, r.output
+
+
+def test_the_cli_restores_the_sigterm_handler_it_installs():
+    before = signal.getsignal(signal.SIGTERM)
+    assert CliRunner().invoke(main, ["cache", "ls", "--help"]).exit_code == 0
+    r = CliRunner().invoke(main, ["inspect", str(LENET)])
+    assert r.exit_code == 0, r.output
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("verb", ["compile", "layer"])
+def test_an_unwritable_cache_is_refused_before_building(tmp_path, weight_npy, verb):
+    (tmp_path / "a_file").write_text("x")
+    cache = tmp_path / "a_file" / "cache"
+    args = (compile_args(write_npz(tmp_path / "m.npz"), tmp_path / "out", cache) if verb == "compile"
+            else ["layer", str(weight_npy), "--input-size", "8", "--cache-dir", str(cache)])
+    before = files_under(tmp_path)
+    t = time.perf_counter()
+    refused(CliRunner().invoke(main, args), "is a file, not a folder")
+    assert time.perf_counter() - t < 5 and files_under(tmp_path) == before
+
+
+def test_non_numpy_files_are_not_answered_with_allow_pickle_advice(tmp_path):
+    junk = tmp_path / "junk.npy"
+    junk.write_text("just some text\n")
+    for args in (["layer", str(junk), "--input-size", "8"],
+                 ["run", str(LENET), "--data", str(junk), "--backend", "reference"],
+                 ["inspect", str(junk), "--format", "npz"]):
+        r = CliRunner().invoke(main, args)
+        refused(r, "never unpickles")
+        assert "allow_pickle" not in r.output

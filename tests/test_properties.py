@@ -1,0 +1,105 @@
+"""Property-based tests (hypothesis) for shapes and arguments (issue 11).
+
+Random small conv geometries either build and compute the convolution (the
+specialised PTX run in the PTX interpreter against a float64 reference), or
+are refused with a clear ValueError; random arguments never end in anything
+but a result or a clear refusal. Examples are few (CI time): each geometry
+costs an nvcc run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sparseconv.build import build_conv2d  # noqa: E402
+from sparseconv.cache import ArtifactCache  # noqa: E402
+from sparseconv.cli import main  # noqa: E402
+from sparseconv.limits import check_layer  # noqa: E402
+from sparseconv.shapes import shape_from_weight  # noqa: E402
+
+from ptx_interpreter import run_kernel  # noqa: E402
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2  # noqa: E402
+
+SETTINGS = dict(deadline=None, derandomize=False, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def geometries(draw):
+    groups = draw(st.integers(1, 4))
+    cpg = draw(st.integers(1, 8 // groups))
+    kpg = draw(st.integers(1, 8 // groups))
+    return dict(weight_shape=(kpg * groups, cpg, draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                input_size=(draw(st.integers(1, 9)), draw(st.integers(1, 9))),
+                stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                padding=(draw(st.integers(0, 2)), draw(st.integers(0, 2))),
+                dilation=(draw(st.integers(1, 2)), draw(st.integers(1, 2))), groups=groups,
+                sparsity=draw(st.sampled_from([0.0, 0.5, 0.9])), seed=draw(st.integers(0, 2 ** 16)))
+
+
+@pytest.mark.nvcc
+@settings(max_examples=15, **SETTINGS)
+@given(g=geometries())
+def test_random_geometries_compute_the_convolution_or_are_refused(g, session_cache_dir):
+    rng = np.random.default_rng(g["seed"])
+    w = pruned_weight(rng, g["weight_shape"], g["sparsity"])
+    try:
+        shape = shape_from_weight(w, g["input_size"], g["stride"], g["padding"], g["dilation"], g["groups"])
+        check_layer(shape)
+    except ValueError as exc:  # refused: with a reason a user can act on
+        assert str(exc) and "\n" not in str(exc)
+        return
+    cache = ArtifactCache(session_cache_dir)
+    built = build_conv2d(w, shape, cache=cache, name="prop")
+    ptx = cache.get_text("kernel", built.ptx_sha256, ".ptx")
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((1, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    y = np.full((1, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    run_kernel(ptx, built.entry, grid=built.grid(1), block=(built.tiling.threads, 1, 1),
+               args=[x, y, bias, 0, 1, built.chunks], dynamic_shared_bytes=built.shared_bytes)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups)
+    assert not np.isnan(y).any(), "outputs left unwritten"
+    assert relative_l2(y, ref) <= 1e-5
+
+
+_ANY = st.one_of(st.integers(-2 ** 40, 2 ** 40), st.floats(allow_nan=True), st.booleans(), st.none(),
+                 st.text(max_size=4), st.tuples(st.integers(-3, 3), st.integers(-3, 3)),
+                 st.lists(st.integers(-3, 3), max_size=3))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(input_size=_ANY, stride=_ANY, padding=_ANY, dilation=_ANY, groups=_ANY)
+def test_any_arguments_give_a_shape_or_a_clear_error(input_size, stride, padding, dilation, groups):
+    w = np.ones((4, 2, 3, 3), np.float32)
+    try:
+        shape = shape_from_weight(w, input_size, stride, padding, dilation, groups)
+        check_layer(shape)
+    except (ValueError, TypeError) as exc:
+        assert str(exc)
+        return
+    assert shape.weight_shape == w.shape and shape.out_h >= 1 and shape.out_w >= 1
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(size=st.one_of(st.text(max_size=12), st.from_regex(r"-?[0-9]{1,22}(x-?[0-9]{1,22})?", fullmatch=True)),
+       groups=st.one_of(st.integers(-2, 2 ** 33), st.floats(allow_nan=False, allow_infinity=False, width=16),
+                        st.text(max_size=3), st.none()))
+def test_cli_sizes_and_spec_values_exit_0_or_2(tmp_path_factory, size, groups):
+    """inspect (no build) with a random --input-size and a random spec groups: a
+    table, or exit 2 with one Error line; never a traceback."""
+    assume("\x00" not in size)
+    folder = tmp_path_factory.mktemp("m")
+    spec = [dict(name="conv", groups=groups)] if groups is not None else [dict(name="conv")]
+    path = folder / "m.npz"
+    np.savez(path, conv=np.ones((4, 2, 3, 3), np.float32),
+             __spec__=np.frombuffer(json.dumps(spec).encode(), np.uint8))
+    r = CliRunner().invoke(main, ["inspect", str(path), "--input-size", size])
+    assert r.exit_code in (0, 2), (r.output, r.exception)
+    assert "Traceback" not in r.output
+    if r.exit_code == 2:
+        assert len([line for line in r.output.splitlines() if line.startswith("Error:")]) == 1, r.output
