@@ -36,10 +36,13 @@ def unique_shapes():
     return out
 
 
-def candidates(shape: ConvShape, batch: int):
+POINTWISE = ((128, 1, 64), (64, 2, 64), (64, 1, 128), (32, 2, 128))  # (k_block, pixels, threads)
+
+
+def candidates(shape: ConvShape, batch: int, pointwise=POINTWISE, split=True):
     cands = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
-        for kb, pix, threads in ((128, 1, 64), (64, 2, 64), (64, 1, 128), (32, 2, 128)):
+        for kb, pix, threads in pointwise:
             cands.append(pointwise_tiling(shape, kb, pix, threads))
     else:
         cands.append(default_tiling(shape))
@@ -53,7 +56,7 @@ def candidates(shape: ConvShape, batch: int):
         blocks *= math.ceil(shape.k_per_group / t.k_block) * shape.groups
         nch = math.ceil(shape.c_per_group / t.c_block)
         variants = [t]
-        if blocks < 264:
+        if split and blocks < 264:
             s = min(nch, max(2, 2 ** round(math.log2(264 / blocks))))
             if s > 1:
                 variants.append(Tiling(**{**t.__dict__, "slices": s}))
@@ -75,17 +78,25 @@ def main() -> None:
     ap.add_argument("--out", default="family_sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--pointwise", default=None,
+                    help="k_block x pixels x threads candidates, e.g. 64x1x128,64x1x256 (default: POINTWISE)")
+    ap.add_argument("--only-1x1", action="store_true")
+    ap.add_argument("--no-split", action="store_true")
     args = ap.parse_args()
+    pointwise = POINTWISE if args.pointwise is None else \
+        tuple(tuple(int(v) for v in c.split("x")) for c in args.pointwise.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     shapes = unique_shapes()
+    if args.only_1x1:
+        shapes = [(n, s) for n, s in shapes if (s.kernel_h, s.kernel_w) == (1, 1)]
     if args.quick:
         shapes = shapes[:4]
     jobs, plan = [], []
     for lname, shape in shapes:
         w = pruned_weight(rng, shape.weight_shape, 0.9)
         for batch in batches:
-            for t in candidates(shape, batch):
+            for t in candidates(shape, batch, pointwise, not args.no_split):
                 key = f"{lname}|{t.describe()}"
                 if key not in {j.name for j in jobs}:
                     jobs.append(LayerJob(key, w, shape, t))

@@ -370,11 +370,26 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
     return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, min_blocks, "pointwise", slices)
 
 
+def default_pointwise_tiling(shape: ConvShape) -> Tiling:
+    """The pointwise family's default, from two sweeps on the H100
+    (bench/family_sweep.py, ResNet-50's 15 distinct 1x1 layers at batch 64,
+    docs/PERFORMANCE.md): where one block of 128 output channels covers them
+    all (K/groups <= 128), 128 channels x 1 pixel x 128 threads, so the input
+    is read once; otherwise 64 channels x 1 pixel, with more threads the deeper
+    the layer: 128 below 256 input channels, 256 below 512, else 512. The code
+    of a deep layer's block is long straight-line code, and the more warps walk
+    it together, the less each waits on instruction fetch (512 threads: 2.2x
+    faster than 128 on layer3's 1024->256). Within 1.2x of the best of six
+    candidates on every layer."""
+    if shape.k_per_group <= 128:
+        return pointwise_tiling(shape, 128, 1, 128)
+    c = shape.c_per_group
+    return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
+
+
 def default_tiling(shape: ConvShape) -> Tiling:
-    """1x1 convs: the pointwise family, 64 output channels x 1 pixel per
-    thread, 128 threads: the best or within 1.05x of the best of 4 candidates
-    on ResNet-50's 1x1 layers at batch 64 (H100, bench/family_sweep.py,
-    docs/PERFORMANCE.md). Other convs: the direct family, below.
+    """1x1 convs: the pointwise family (default_pointwise_tiling). Other
+    convs: the direct family, below.
 
     32 output channels per block (16 or 8 when R*S is large), one output per
     thread, 256 threads, registers capped so two blocks fit on an SM. The kernel
@@ -389,7 +404,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
     the first layers of most CNNs) are bound by memory, not by instruction
     fetch; they keep the previous rule, which measured faster on them."""
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
-        return pointwise_tiling(shape)
+        return default_pointwise_tiling(shape)
     if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
         return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
     return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
@@ -421,8 +436,13 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     two that keeps blocks within two waves and each slice at least the
     minimum work (measured on the H100: batch 1, ResNet-50 and VGG-16 layers,
     1.2-6x faster where it applies; bench/family_sweep.py)."""
+    if tiling.slices != 1:
+        return None
+    if tiling.family == "pointwise" and tiling.threads > 128:
+        # a small batch has few pixels: big blocks would idle most threads
+        tiling = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, 128, tiling.min_blocks)
     blocks = math.ceil(blocks_per_image(shape, tiling))
-    if tiling.slices != 1 or blocks >= ONE_WAVE:
+    if blocks >= ONE_WAVE:
         return None
     chunks = math.ceil(shape.c_per_group / tiling.c_block)
     if tiling.family == "pointwise":
@@ -439,10 +459,17 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     return replace(tiling, slices=slices)
 
 
-def split_batch_limit(shape: ConvShape, tiling: Tiling) -> int:
-    """Largest batch the split variant serves: while the unsplit kernel would
-    still give less than one wave of blocks."""
-    return max(1, math.ceil(ONE_WAVE / blocks_per_image(shape, tiling)) - 1)
+# The split variant serves at most this batch size: measured better at batch
+# 1 and worse at 64 (its workspace grows with the batch); the crossover in
+# between is not measured, so this is a guess to revisit with measurements.
+MAX_SPLIT_BATCH = 16
+
+
+def split_batch_limit(shape: ConvShape, split: Tiling) -> int:
+    """Largest batch the split variant serves: while the same tiling unsplit
+    would still give less than one wave of blocks, at most MAX_SPLIT_BATCH."""
+    unsplit = replace(split, slices=1)
+    return max(1, min(MAX_SPLIT_BATCH, math.ceil(ONE_WAVE / blocks_per_image(shape, unsplit)) - 1))
 
 
 # A variant serves batches up to this size; the last one serves any batch.
@@ -456,7 +483,7 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     split = split_tiling(shape, tiling)
     if split is None:
         return [(ANY_BATCH, tiling)]
-    return [(split_batch_limit(shape, tiling), split), (ANY_BATCH, tiling)]
+    return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
 
 
 # (k_block, outputs per thread along W, threads, min_blocks), best first: the
@@ -465,9 +492,9 @@ _CANDIDATES = ((32, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 2), (32, 1, 256, 1
                (32, 2, 256, 1), (16, 1, 256, 2), (64, 1, 128, 2), (32, 2, 128, 1))
 
 
-# (k_block, pixels per thread, threads) of the pointwise family, best first on
-# ResNet-50's 1x1 layers (bench/family_sweep.py, H100, 2026-11-23).
-_POINTWISE_CANDIDATES = ((64, 1, 128), (128, 1, 64), (64, 2, 64), (32, 2, 128))
+# (k_block, pixels per thread, threads) of the pointwise family worth timing
+# (bench/family_sweep.py, H100, 2026-11-23); the default comes first.
+_POINTWISE_CANDIDATES = ((64, 1, 512), (64, 1, 256), (64, 1, 128), (128, 1, 128), (128, 1, 64), (64, 2, 128))
 
 
 def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
@@ -476,6 +503,7 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     thread. 1x1 convs: pointwise-family tilings (_POINTWISE_CANDIDATES)."""
     out = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
+        out.append(default_pointwise_tiling(shape))
         for k_block, pixels, threads in _POINTWISE_CANDIDATES:
             t = pointwise_tiling(shape, k_block, pixels, threads)
             if t not in out:
