@@ -318,20 +318,94 @@ def _safe_external_data(path: Path, model: Any) -> None:
         load_external_data_for_model(model, str(path.parent))
 
 
+def _check_elements(path: Path, what: str, dims: Any) -> None:
+    n = 1
+    for d in dims:
+        n *= max(int(d), 0)
+    if n > 2 ** 34:  # more elements than any real layer; refuse before allocating
+        raise ModelError(f"{path}: {what} declares shape {list(dims)} ({n} elements); "
+                         "the file is damaged or not a real model")
+
+
 def _initializer(path: Path, tensor: Any) -> np.ndarray:
     from onnx import numpy_helper
 
-    n = 1
-    for d in tensor.dims:
-        n *= max(int(d), 0)
-    if n > 2 ** 34:  # more elements than any real layer; refuse before allocating
-        raise ModelError(f"{path}: initializer {tensor.name} declares shape {list(tensor.dims)} ({n} elements); "
-                         "the file is damaged or not a real model")
+    _check_elements(path, f"initializer {tensor.name}", tensor.dims)
     try:
         return numpy_helper.to_array(tensor)
     except Exception as exc:  # ValueError from reshape when dims and data disagree, and friends
         raise ModelError(f"{path}: initializer {tensor.name}: its declared shape {list(tensor.dims)} does not "
                          f"match its data ({_why(exc)})") from None
+
+
+# Nodes never folded although their inputs are static: their value changes per run.
+_NOT_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                         "Multinomial", "Bernoulli"})
+
+
+def _fold_constants(path: Path, model: Any, constants: Dict[str, np.ndarray]) -> None:
+    """Fold the static part of the graph once, in place: every node whose
+    inputs are all constant (Constant nodes, and Identity/Cast/Transpose/
+    Reshape/... chains on initializers, as exporters write weights) is
+    evaluated by onnx's own ReferenceEvaluator and replaced by an initializer.
+    Compile, inspect and run then see weights wherever the exporter put them."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    static = set(constants)
+    folded, kept = [], []
+    for node in graph.node:
+        subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        if (node.domain in ("", "ai.onnx") and node.op_type not in _NOT_FOLDED and not subgraph
+                and all(i in static for i in node.input if i)):
+            folded.append(node)
+            static.update(o for o in node.output if o)
+        else:
+            kept.append(node)
+    if not folded:
+        return
+    for i, node in enumerate(folded):
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                _check_elements(path, f"{node.op_type} node {node_name(node, i)}", a.t.dims)
+    needed = {i for n in kept for i in n.input if i} | {o.name for o in graph.output}
+    wanted = sorted({o for n in folded for o in n.output if o in needed})
+    if not wanted:
+        del graph.node[:]
+        graph.node.extend(kept)
+        return
+    feeds = {i: constants[i] for n in folded for i in n.input if i in constants}
+    from onnx.reference import ReferenceEvaluator
+
+    opsets = {d.domain: d.version for d in model.opset_import}
+    sub = helper.make_graph(folded, "static", [helper.make_empty_tensor_value_info(n) for n in feeds],
+                            [helper.make_empty_tensor_value_info(n) for n in wanted])
+    try:
+        values = ReferenceEvaluator(sub, opsets=opsets).run(None, feeds)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot evaluate the static part of the graph ({_failing_node(folded, feeds, opsets)}"
+                         f"{_why(exc)}); the file is damaged or uses an operator onnx cannot evaluate") from None
+    for name, value in zip(wanted, values):
+        value = np.asarray(value)
+        constants[name] = value
+        graph.initializer.append(numpy_helper.from_array(value, name))
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def _failing_node(nodes: List[Any], feeds: Dict[str, np.ndarray], opsets: Dict[str, int]) -> str:
+    """Which static node fails, for the error message (only on the error path)."""
+    from onnx.reference import ReferenceEvaluator
+
+    values = dict(feeds)
+    for i, node in enumerate(nodes):
+        try:
+            outs = ReferenceEvaluator(node, opsets=opsets).run(None, {n: values[n] for n in node.input if n})
+        except Exception:
+            return f"node {node.name} ({node.op_type}): "
+        values.update(zip(node.output, outs))
+    return ""
 
 
 def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxFile:
@@ -353,6 +427,10 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model, or one with an empty graph (no nodes)")
     _safe_external_data(path, model)
+    for i, node in enumerate(model.graph.node):  # names by position in the file, before folding
+        node.name = node_name(node, i)
+    constants = {t.name: _initializer(path, t) for t in model.graph.initializer}
+    _fold_constants(path, model, constants)
     try:
         if input_size is not None:  # fix the image size of every 4-D graph input, then re-infer
             init_names = {t.name for t in model.graph.initializer}
@@ -360,11 +438,12 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
                 dims = inp.type.tensor_type.shape.dim
                 if inp.name not in init_names and len(dims) == 4:
                     dims[2].dim_value, dims[3].dim_value = input_size
-        model = shape_inference.infer_shapes(model)
+        # data_prop: sizes computed by Shape/Gather/Concat/... arithmetic
+        # (Resize to another tensor's size) become static too.
+        model = shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:
         raise ModelError(f"{path}: ONNX shape inference failed ({_why(exc)})") from None
     graph = model.graph
-    constants = {t.name: _initializer(path, t) for t in graph.initializer}
     shapes: Dict[str, List[Optional[int]]] = {}
     for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
         dims = vi.type.tensor_type.shape.dim
@@ -385,14 +464,15 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
     if auto_pad not in ("NOTSET", ""):
         raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
     if len(node.input) < 2 or node.input[1] not in constants:
-        raise ModelError(f"{where}: the weight is not a constant initializer; only static weights compile")
+        raise ModelError(f"{where}: the weight is computed from the graph input, not stored in the file "
+                         "(initializer, Constant node or a static subgraph); only static weights compile")
     weight = _float_array(path, name, "weight", constants[node.input[1]])
     if weight.ndim != 4:
         raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")
     bias = None
     if len(node.input) > 2 and node.input[2]:
         if node.input[2] not in constants:
-            raise ModelError(f"{where}: the bias is not a constant initializer")
+            raise ModelError(f"{where}: the bias is computed from the graph input; only static biases compile")
         bias = _float_array(path, name, "bias", constants[node.input[2]])
     pads = list(attrs.get("pads", [0, 0, 0, 0]))
     if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
