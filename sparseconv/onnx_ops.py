@@ -3,8 +3,8 @@ ConvTranspose, Slice, ReduceMean/Sum/Max, Cast, Pad.
 
 Each is written once for an array module `xp` (CuPy for the GPU run, NumPy
 for the float64 reference), like the small ones in runner.OPS. Index and
-weight tables (Resize) and slice bounds are computed on the host in float64
-NumPy, so both runs use the same coordinates. Shape values (int64 NumPy
+weight tables (Resize) and slice bounds are computed on the host in NumPy,
+so both runs use the same coordinates. Shape values (int64 NumPy
 arrays from Shape/Gather/...) stay on the host.
 
 `check(op, attrs)` says why a node's attributes are beyond what these
@@ -65,7 +65,10 @@ def check(op: str, attrs: Dict[str, Any]) -> Optional[str]:
 # --------------------------------------------------------------------------- Resize
 
 def _source_coords(coord: str, out_len: int, in_len: int, scale: float) -> np.ndarray:
-    """ONNX Resize: the input coordinate of each output position (float64)."""
+    """ONNX Resize: the input coordinate of each output position, in float64
+    as onnx's reference implementation computes it. (Where a coordinate
+    lands exactly on a pixel boundary, floor/ceil rounding depends on the
+    last bit; onnxruntime's float32 arithmetic can pick the neighbour there.)"""
     x = np.arange(out_len, dtype=np.float64)
     if coord == "half_pixel":
         return (x + 0.5) / scale - 0.5
