@@ -461,8 +461,8 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
     where = f"{path}: Conv node {name}"
     auto_pad = attrs.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad not in ("NOTSET", ""):
-        raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
+    if auto_pad not in ("NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not an ONNX value")
     if len(node.input) < 2 or node.input[1] not in constants:
         raise ModelError(f"{where}: the weight is computed from the graph input, not stored in the file "
                          "(initializer, Constant node or a static subgraph); only static weights compile")
@@ -474,10 +474,6 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
         if node.input[2] not in constants:
             raise ModelError(f"{where}: the bias is computed from the graph input; only static biases compile")
         bias = _float_array(path, name, "bias", constants[node.input[2]])
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
-        raise ModelError(f"{where}: asymmetric pads {pads} are not supported (need top == bottom, "
-                         "left == right)")
     if "kernel_shape" in attrs and tuple(attrs["kernel_shape"]) != weight.shape[2:]:
         raise ModelError(f"{where}: kernel_shape {attrs['kernel_shape']} disagrees with the weight "
                          f"{weight.shape}")
@@ -486,5 +482,28 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
         hw: Tuple[int, int] = (int(in_shape[2]), int(in_shape[3]))
     else:
         raise ModelError(f"{where}: the graph gives no static input size for this layer; pass --input-size")
-    return _make_layer(path, name, weight, bias, hw, tuple(attrs.get("strides", (1, 1))), (pads[0], pads[1]),
-                       tuple(attrs.get("dilations", (1, 1))), attrs.get("group", 1))
+    strides = tuple(int(v) for v in attrs.get("strides", (1, 1)))
+    dilations = tuple(int(v) for v in attrs.get("dilations", (1, 1)))
+    pads = [int(v) for v in attrs.get("pads", [0, 0, 0, 0])]
+    if auto_pad == "VALID":
+        pads = [0, 0, 0, 0]
+    elif auto_pad.startswith("SAME") and len(strides) == len(dilations) == 2:
+        pads = _same_pads(hw, weight.shape[2:], strides, dilations, upper=auto_pad == "SAME_UPPER")
+    if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
+        shown = f"auto_pad={auto_pad}, which gives pads {pads}" if auto_pad.startswith("SAME") else f"pads {pads}"
+        raise ModelError(f"{where}: {shown}: the kernels pad symmetrically (top == bottom, left == right); "
+                         "asymmetric padding is not supported (re-export with symmetric padding, e.g. "
+                         "padding=k//2 and an odd kernel)")
+    return _make_layer(path, name, weight, bias, hw, strides, (pads[0], pads[1]), dilations, attrs.get("group", 1))
+
+
+def _same_pads(hw: Tuple[int, int], kernel: Tuple[int, ...], strides: Tuple[int, ...],
+               dilations: Tuple[int, ...], upper: bool) -> List[int]:
+    """ONNX auto_pad SAME_UPPER / SAME_LOWER as explicit [top, left, bottom, right]."""
+    begin, end = [], []
+    for size, k, st, d in zip(hw, kernel, strides, dilations):
+        total = max((-(-size // st) - 1) * st + (k - 1) * d + 1 - size, 0)
+        small, big = total // 2, total - total // 2
+        begin.append(small if upper else big)
+        end.append(big if upper else small)
+    return begin + end

@@ -225,3 +225,56 @@ def test_unsupported_attributes_are_refused_at_load_naming_the_node(tmp_path, op
     path = _save(tmp_path, nodes, inits, [1, 2, 4, 4])
     with pytest.raises(ModelError, match=f"the_node: .*{why}"):
         load_program(path)
+
+
+@pytest.mark.parametrize("auto_pad,kernel,stride,size", [("SAME_UPPER", 3, 1, 12), ("SAME_LOWER", 5, 1, 9),
+                                                         ("VALID", 3, 2, 11), ("SAME_UPPER", 3, 2, 11)])
+def test_conv_auto_pad_becomes_explicit_pads(tmp_path, auto_pad, kernel, stride, size):
+    """auto_pad (tf2onnx writes it) is read as the pads it stands for."""
+    rng = np.random.default_rng()
+    nodes = [helper.make_node("Conv", ["x", "w"], ["out"], name="c", auto_pad=auto_pad, strides=[stride, stride])]
+    path = _save(tmp_path, nodes, {"w": pruned_weight(rng, (3, 2, kernel, kernel), 0.5)}, [1, 2, size, size])
+    _check(path, rng.standard_normal((1, 2, size, size)).astype(np.float32))
+
+
+@pytest.mark.parametrize("pads,auto_pad,stride", [([0, 0, 1, 1], None, 1), (None, "SAME_UPPER", 1)])
+def test_asymmetric_padding_is_refused_up_front_naming_the_limit(tmp_path, pads, auto_pad, stride):
+    from click.testing import CliRunner
+
+    from sparseconv.cli import main
+
+    rng = np.random.default_rng()
+    attrs = {"pads": pads} if pads else {"auto_pad": auto_pad}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["out"], name="odd_pad", strides=[stride, stride], **attrs)]
+    path = _save(tmp_path, nodes, {"w": pruned_weight(rng, (3, 2, 2, 2), 0.5)}, [1, 2, 8, 8])
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["compile", str(path), "-o", str(out), "--cache-dir", str(tmp_path / "c")])
+    assert r.exit_code == 2 and "odd_pad" in r.output and "symmetric" in r.output
+    assert not out.exists()
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("k,c,hw", [(8, 2, (1, 1)), (2, 8, (1, 1)), (64, 1, (1, 1)), (8, 2, (5, 3)), (64, 1, (4, 4))])
+def test_pointwise_convs_with_few_input_channels_compile(tmp_path, k, c, hw, session_cache_dir):
+    """Squeeze-excite 1x1 convs (2 -> 8 channels on a 1x1 input) and 1x1 convs
+    with one input channel compile (issue 14, item 2); the kernels are run in
+    the PTX interpreter and match the dense conv."""
+    from sparseconv.build import build_conv2d
+    from sparseconv.cache import ArtifactCache
+    from sparseconv.shapes import shape_from_weight
+    from sparseconv.testing import conv2d_reference
+
+    from ptx_interpreter import run_kernel
+
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, (k, c, 1, 1), 0.5)
+    shape = shape_from_weight(w, hw)
+    cache = ArtifactCache(session_cache_dir)
+    built = build_conv2d(w, shape, cache=cache, name=f"se_{k}x{c}")
+    x = rng.standard_normal((2, c) + hw).astype(np.float32)
+    y = np.full((2, k) + hw, np.nan, np.float32)
+    bias = np.zeros(k, np.float32)
+    run_kernel(cache.get_text("kernel", built.ptx_sha256, ".ptx"), built.entry, grid=built.grid(2),
+               block=(built.tiling.threads, 1, 1), args=[x, y, bias, 0, 2, built.chunks],
+               dynamic_shared_bytes=built.shared_bytes)
+    assert relative_l2(y, conv2d_reference(x.astype(np.float64), w, bias)) <= 1e-6
