@@ -47,6 +47,18 @@ class OnnxProgram:
     output_names: Tuple[str, ...]
     convs: Dict[str, ConvLayer]  # node name -> layer
 
+    def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
+        """One line per conv-like node: how it runs. backends: Conv name ->
+        the compiled kernel's backend (default: 'sparseconv')."""
+        lines = []
+        for node in self.nodes:
+            if node.op == "Conv":
+                s = self.convs[node.name].shape
+                lines.append(f"{node.name}: Conv {s.describe()}, {(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.op == "ConvTranspose":
+                lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
+        return lines
+
 
 # --------------------------------------------------------------------------- operators
 
@@ -298,6 +310,11 @@ class SparseModel:
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
+
+    @property
+    def plan(self) -> List[str]:
+        """How each conv-like node runs: its kernel's backend, or dense."""
+        return self.program.plan({name: k.backend for name, k in self.kernels.items()})
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,

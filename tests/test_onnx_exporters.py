@@ -145,3 +145,24 @@ def test_an_operator_the_runner_lacks_is_refused_naming_the_node(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.zeros((1, 3, 8, 8), np.float32))
     r = CliRunner().invoke(main, ["run", str(path), "--data", str(tmp_path / "d.npz")])
     assert r.exit_code == 2 and "Erf" in r.output
+
+
+def test_plan_says_conv_transpose_runs_dense(exported):
+    plan = load_program(exported["unet_head", "initializers"]).plan()
+    assert [line.split(":")[0] for line in plan if ": Conv " in line] == [
+        "/e1/Conv", "/e2/Conv", "/e3/Conv", "/lat/Conv", "/d/Conv", "/out/Conv"]
+    assert "/up/ConvTranspose: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)" in plan
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_run_of_the_graph_matches_onnxruntime(exported, family):
+    """The graph run as the GPU runs it, in float32 (NumPy standing in for
+    CuPy, dense convs standing in for the kernels): dtypes hold through Cast,
+    Resize and ConvTranspose."""
+    from sparseconv.runner import conv2d_dense, execute
+
+    program = load_program(exported[family, "constants"])
+    x = inputs()
+    (y,) = execute(program, x, np, lambda layer, a: conv2d_dense(layer, a).astype(np.float32), np.float32)
+    assert y.dtype == np.float32
+    assert relative_l2(y, onnxruntime_outputs(exported[family, "initializers"], x)) <= 1e-5
