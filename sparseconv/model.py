@@ -2,7 +2,9 @@
 
 Formats (detected from the extension or the file's first bytes; `fmt` overrides):
   * onnx  : Conv nodes; strides/pads/dilations/group from attributes, weights and
-            biases from initializers, input sizes from the graph's (inferred) shapes.
+            biases from initializers, Constant nodes or static subgraphs (folded
+            once by onnx's ReferenceEvaluator), input sizes from the graph's
+            shapes (onnx shape inference with data propagation).
   * npz         : NumPy archive, no pickle.
   * safetensors : safetensors file (read as NumPy, no torch needed).
   * torch       : PyTorch checkpoint, read with torch.load(weights_only=True)
@@ -285,13 +287,14 @@ def node_name(node: Any, index: int) -> str:
 
 @dataclass(frozen=True)
 class OnnxFile:
-    """One parse of an ONNX model: the shape-inferred graph, every initializer
-    as an array (each converted once), and the Conv layers. load_model
+    """One parse of an ONNX model: the graph with its static part folded and
+    shapes inferred, every constant as an array (initializers converted once,
+    folded values added), and the Conv layers. load_model
     (compile, inspect) and the runner (run) both read models through it."""
 
     path: Path
     graph: Any                         # onnx.GraphProto, shapes inferred
-    constants: Dict[str, np.ndarray]   # initializer name -> array
+    constants: Dict[str, np.ndarray]   # initializer or folded value name -> array
     layers: List[ConvLayer]
 
 
@@ -409,9 +412,10 @@ def _failing_node(nodes: List[Any], feeds: Dict[str, np.ndarray], opsets: Dict[s
 
 
 def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxFile:
-    """Parse an ONNX model once: check it, infer shapes (with the image size
-    fixed to input_size when given), convert the initializers and read every
-    Conv node as a ConvLayer. Raises ModelError naming the file and node."""
+    """Parse an ONNX model once: check it, name unnamed nodes by position,
+    convert the initializers, fold the static subgraphs, infer shapes (with
+    the image size fixed to input_size when given) and read every Conv node
+    as a ConvLayer. Raises ModelError naming the file and node."""
     path = Path(path)
     try:
         import onnx
@@ -439,8 +443,12 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
                 if inp.name not in init_names and len(dims) == 4:
                     dims[2].dim_value, dims[3].dim_value = input_size
         # data_prop: sizes computed by Shape/Gather/Concat/... arithmetic
-        # (Resize to another tensor's size) become static too.
-        model = shape_inference.infer_shapes(model, data_prop=True)
+        # (Resize to another tensor's size) become static too. Should onnx's
+        # data propagation stumble on a graph, plain inference still serves.
+        try:
+            model = shape_inference.infer_shapes(model, data_prop=True)
+        except Exception:
+            model = shape_inference.infer_shapes(model)
     except Exception as exc:
         raise ModelError(f"{path}: ONNX shape inference failed ({_why(exc)})") from None
     graph = model.graph

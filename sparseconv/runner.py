@@ -2,9 +2,12 @@
 
 Every Conv node runs as a sparseconv kernel on the GPU; the other nodes are
 small array functions written once for an array module `xp` (CuPy on the GPU,
-NumPy for the float64 dense reference). Only the operators in `OPS` are
-supported: enough for LeNet/VGG/ResNet-style exports. Anything else is refused
-when the model is loaded, naming the node, before any compile starts.
+NumPy for the float64 dense reference); the larger ones (Resize,
+ConvTranspose, Slice, reductions, Cast, Pad) are in onnx_ops.py. Only the
+operators in `OPS` are supported: enough for LeNet/VGG/ResNet, MobileNetV2/V3
+and UNet/FPN-style exports. Anything else is refused when the model is
+loaded, naming the node, before any compile starts. Constant nodes and static
+subgraphs never reach the runner: model.read_onnx folds them.
 
     model = compile_model("models/lenet_digits_pruned.onnx")   # SparseModel
     logits = model(x)                       # x: CuPy or NumPy (N, 1, 8, 8) float32
