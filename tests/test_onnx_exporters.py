@@ -166,3 +166,48 @@ def test_float32_run_of_the_graph_matches_onnxruntime(exported, family):
     (y,) = execute(program, x, np, lambda layer, a: conv2d_dense(layer, a).astype(np.float32), np.float32)
     assert y.dtype == np.float32
     assert relative_l2(y, onnxruntime_outputs(exported[family, "initializers"], x)) <= 1e-5
+
+
+def _view_head():
+    """A classifier written the old way: ReLU6, F.pad (asymmetric, a Pad
+    node), slicing, x.reshape(x.size(0), -1) (Shape/Gather/Unsqueeze/Concat/
+    Reshape), squeeze and softmax."""
+    import torch
+
+    class ViewHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.fc = torch.nn.Linear(4 * 16 * 16, 3)
+
+        def forward(self, x):
+            y = torch.nn.functional.pad(torch.nn.functional.relu6(self.c(x)), (1, 0, 0, 1))[:, :, :16, 1:]
+            return self.fc(y.reshape(y.size(0), -1)).unsqueeze(1).squeeze(1).softmax(-1)
+
+    torch.manual_seed(0)
+    return ViewHead().eval()
+
+
+@pytest.mark.parametrize("opset", [11, 13, 18])
+@pytest.mark.parametrize("family", FAMILIES + ("view_head",))
+def test_other_opsets_and_unfolded_exports_match_onnxruntime(tmp_path, opset, family):
+    """Opsets move Clip bounds, Squeeze/ReduceMean axes and Resize's roi
+    between attributes and inputs; do_constant_folding=False leaves the
+    exporter's static subgraphs for the importer to fold. Image size free."""
+    import warnings
+
+    import torch
+
+    from onnx_families import build
+    from sparseconv.runner import run_reference
+
+    model = _view_head() if family == "view_head" else build(family)
+    path = tmp_path / "m.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (torch.zeros(1, 3, *SIZE),), str(path), dynamo=False, opset_version=opset,
+                          input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}},
+                          do_constant_folding=False)
+    x = inputs(2)
+    (y,) = run_reference(load_program(path, SIZE), x)
+    assert relative_l2(y, onnxruntime_outputs(path, x)) <= 1e-5
