@@ -472,8 +472,9 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
     if auto_pad not in ("NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not an ONNX value")
     if len(node.input) < 2 or node.input[1] not in constants:
-        raise ModelError(f"{where}: the weight is computed from the graph input, not stored in the file "
-                         "(initializer, Constant node or a static subgraph); only static weights compile")
+        raise ModelError(f"{where}: the weight is computed from the graph input, or by a node that cannot be "
+                         "evaluated at import (custom domain, random), not stored in the file (initializer, "
+                         "Constant node or a static subgraph); only static weights compile")
     weight = _float_array(path, name, "weight", constants[node.input[1]])
     if weight.ndim != 4:
         raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")

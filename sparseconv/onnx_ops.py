@@ -1,5 +1,5 @@
 """The larger non-conv ONNX operators of `sparseconv run`: Resize,
-ConvTranspose, Slice, ReduceMean/Sum/Max, Cast, Pad.
+ConvTranspose, Slice, ReduceMean/Sum/Max, Cast, Pad, LayerNormalization, Erf.
 
 Each is written once for an array module `xp` (CuPy for the GPU run, NumPy
 for the float64 reference), like the small ones in runner.OPS. Index and
@@ -27,7 +27,7 @@ def is_host_int(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.dtype.kind in "iub"
 
 
-def _text(v: Any, default: str) -> str:
+def text(v: Any, default: str) -> str:
     v = default if v is None else v
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -40,24 +40,24 @@ _NEAREST = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 def check(op: str, attrs: Dict[str, Any]) -> Optional[str]:
     """Why this node cannot run (None when it can)."""
     if op == "Resize":
-        mode = _text(attrs.get("mode"), "nearest")
-        coord = _text(attrs.get("coordinate_transformation_mode"), "half_pixel")
+        mode = text(attrs.get("mode"), "nearest")
+        coord = text(attrs.get("coordinate_transformation_mode"), "half_pixel")
         if mode not in ("nearest", "linear"):
             return f"Resize mode {mode!r} is not supported (nearest and linear are)"
         if coord not in _RESIZE_COORDS:
             return f"Resize coordinate_transformation_mode {coord!r} is not supported ({', '.join(_RESIZE_COORDS)} are)"
-        if _text(attrs.get("nearest_mode"), "round_prefer_floor") not in _NEAREST:
+        if text(attrs.get("nearest_mode"), "round_prefer_floor") not in _NEAREST:
             return f"Resize nearest_mode {attrs['nearest_mode']!r} is not supported"
         if int(attrs.get("antialias", 0)):
             return "Resize antialias=1 is not supported"
-        if _text(attrs.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
+        if text(attrs.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
             return "Resize keep_aspect_ratio_policy other than 'stretch' is not supported"
     if op == "ConvTranspose":
-        if _text(attrs.get("auto_pad"), "NOTSET") not in ("NOTSET", ""):
+        if text(attrs.get("auto_pad"), "NOTSET") not in ("NOTSET", ""):
             return "ConvTranspose auto_pad is not supported; export with explicit pads"
         if "output_shape" in attrs:
             return "ConvTranspose output_shape is not supported; export with explicit pads and output_padding"
-    if op == "Pad" and _text(attrs.get("mode"), "constant") != "constant":
+    if op == "Pad" and text(attrs.get("mode"), "constant") != "constant":
         return f"Pad mode {attrs['mode']!r} is not supported (constant is)"
     return None
 
@@ -99,9 +99,9 @@ def _nearest(src: np.ndarray, mode: str) -> np.ndarray:
 def resize(xp: Any, x: Any, roi: Any, scales: Any, sizes: Any, attrs: Dict[str, Any]) -> Any:
     """ONNX Resize (opset 11-19), nearest or (multi)linear, one axis at a time
     (both modes are separable)."""
-    mode = _text(attrs.get("mode"), "nearest")
-    coord = _text(attrs.get("coordinate_transformation_mode"), "half_pixel")
-    nearest_mode = _text(attrs.get("nearest_mode"), "round_prefer_floor")
+    mode = text(attrs.get("mode"), "nearest")
+    coord = text(attrs.get("coordinate_transformation_mode"), "half_pixel")
+    nearest_mode = text(attrs.get("nearest_mode"), "round_prefer_floor")
     axes = [int(a) % x.ndim for a in attrs.get("axes", range(x.ndim))]
     in_shape = [int(d) for d in x.shape]
     scale_of = {a: 1.0 for a in range(x.ndim)}
@@ -224,3 +224,35 @@ def pad(xp: Any, x: Any, pads: Any, value: Any = None, axes: Any = None) -> Any:
     out = xp.full(tuple(d + max(b, 0) + max(a, 0) for d, b, a in zip(x.shape, before, after)), fill, dtype=x.dtype)
     out[tuple(slice(max(b, 0), max(b, 0) + d) for b, d in zip(before, x.shape))] = x
     return out
+
+
+def layer_norm(xp: Any, x: Any, scale: Any, bias: Any, attrs: Dict[str, Any]) -> Any:
+    """ONNX LayerNormalization (opset 17): over the axes from `axis` on."""
+    axes = tuple(range(int(attrs.get("axis", -1)) % x.ndim, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    y = (x - mean) / xp.sqrt(var + float(attrs.get("epsilon", 1e-5))) * scale
+    return y if bias is None else y + bias
+
+
+def erf(xp: Any, x: Any) -> Any:
+    """The error function: cupyx.scipy.special on the GPU; on the CPU SciPy's
+    when installed, else math.erf element by element (the reference only)."""
+    if xp is np:
+        try:
+            from scipy.special import erf as scipy_erf
+        except ImportError:
+            import math
+
+            return np.vectorize(math.erf, otypes=[x.dtype])(x)
+        return scipy_erf(x)
+    from cupyx.scipy.special import erf as cupy_erf
+
+    return cupy_erf(x)
+
+
+def gelu(xp: Any, x: Any, approximate: str) -> Any:
+    """ONNX Gelu (opset 20): exact (erf) or the tanh approximation."""
+    if approximate == "tanh":
+        return 0.5 * x * (1 + xp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1 + erf(xp, x / np.sqrt(2)))

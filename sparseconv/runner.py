@@ -213,6 +213,9 @@ OPS: Dict[str, Callable[..., Any]] = {
     "Resize": lambda xp, n, x, roi=None, scales=None, sizes=None: ops.resize(xp, x, roi, scales, sizes, n.attrs),
     "ConvTranspose": lambda xp, n, x, w, b=None: ops.conv_transpose(xp, x, w, b, n.attrs),
     "Pad": lambda xp, n, x, pads, value=None, axes=None: ops.pad(xp, x, pads, value, axes),
+    "LayerNormalization": lambda xp, n, x, scale, bias=None: ops.layer_norm(xp, x, scale, bias, n.attrs),
+    "Erf": lambda xp, n, x: ops.erf(xp, x),
+    "Gelu": lambda xp, n, x: ops.gelu(xp, x, ops.text(n.attrs.get("approximate"), "none")),
 }
 
 

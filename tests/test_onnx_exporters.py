@@ -130,21 +130,52 @@ def test_compile_both_forms_builds_the_same_kernels(exported, family, tmp_path, 
 def test_an_operator_the_runner_lacks_is_refused_naming_the_node(tmp_path):
     import torch
 
-    class Gelu(torch.nn.Module):
+    class SuperResolution(torch.nn.Module):  # pixel_shuffle exports as DepthToSpace
         def __init__(self):
             super().__init__()
-            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.conv = torch.nn.Conv2d(3, 12, 3)
 
         def forward(self, x):
-            return torch.nn.functional.gelu(self.conv(x))
+            return torch.nn.functional.pixel_shuffle(self.conv(x), 2)
 
-    path = tmp_path / "gelu.onnx"
-    torch.onnx.export(Gelu().eval(), (torch.zeros(1, 3, 8, 8),), str(path), dynamo=False, opset_version=17)
-    with pytest.raises(ModelError, match=r"node /Erf has operator Erf"):
+    path = tmp_path / "sr.onnx"
+    torch.onnx.export(SuperResolution().eval(), (torch.zeros(1, 3, 8, 8),), str(path), dynamo=False,
+                      opset_version=17)
+    with pytest.raises(ModelError, match=r"node /DepthToSpace has operator DepthToSpace"):
         load_program(path)
     np.savez(tmp_path / "d.npz", x=np.zeros((1, 3, 8, 8), np.float32))
     r = CliRunner().invoke(main, ["run", str(path), "--data", str(tmp_path / "d.npz")])
-    assert r.exit_code == 2 and "Erf" in r.output
+    assert r.exit_code == 2 and "DepthToSpace" in r.output
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_convnext_style_block_with_layer_norm_and_gelu_matches_onnxruntime(tmp_path, approximate):
+    """Depthwise conv, channels-last LayerNormalization, Linear, GELU (Erf, or
+    Tanh for the approximation), Linear, back to channels-first."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dw = torch.nn.Conv2d(8, 8, 7, padding=3, groups=8)
+            self.stem = torch.nn.Conv2d(3, 8, 2, 2)
+            self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            x = self.stem(x)
+            y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+            y = self.fc2(torch.nn.functional.gelu(self.fc1(y), approximate=approximate))
+            return x + y.permute(0, 3, 1, 2)
+
+    torch.manual_seed(0)
+    path = tmp_path / "convnext.onnx"
+    torch.onnx.export(Block().eval(), (torch.zeros(1, 3, *SIZE),), str(path), dynamo=False, opset_version=17,
+                      input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    from sparseconv.runner import run_reference
+
+    x = inputs(2)
+    (y,) = run_reference(load_program(path), x)
+    assert relative_l2(y, onnxruntime_outputs(path, x)) <= 1e-5
 
 
 def test_plan_says_conv_transpose_runs_dense(exported):

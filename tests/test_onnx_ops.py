@@ -278,3 +278,24 @@ def test_pointwise_convs_with_few_input_channels_compile(tmp_path, k, c, hw, ses
                block=(built.tiling.threads, 1, 1), args=[x, y, bias, 0, 2, built.chunks],
                dynamic_shared_bytes=built.shared_bytes)
     assert relative_l2(y, conv2d_reference(x.astype(np.float64), w, bias)) <= 1e-6
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_opset_20_and_erf_without_scipy(tmp_path, monkeypatch, approximate):
+    """Gelu (opset 20) both ways; Erf falls back to math.erf where SciPy is
+    not installed (it is no dependency)."""
+    import sys
+
+    from sparseconv import onnx_ops
+
+    rng = np.random.default_rng()
+    nodes, inits = _stem(rng, 2, 3)
+    nodes += [helper.make_node("Gelu", ["c"], ["g"], approximate=approximate),
+              helper.make_node("Erf", ["g"], ["out"])]
+    path = _save(tmp_path, nodes, inits, [2, 2, 3, 5], opset=20)
+    x = 2 * rng.standard_normal((2, 2, 3, 5)).astype(np.float32)
+    with_scipy = _check(path, x)
+    monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
+    np.testing.assert_allclose(onnx_ops.erf(np, np.array([-1.0, 0.5])), [-0.8427007929497149, 0.5204998778130465],
+                               rtol=1e-15)
+    np.testing.assert_allclose(_check(path, x), with_scipy, rtol=1e-13)
