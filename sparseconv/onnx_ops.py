@@ -1,5 +1,6 @@
 """The larger non-conv ONNX operators of `sparseconv run`: Resize,
-ConvTranspose, Slice, ReduceMean/Sum/Max, Cast, Pad, LayerNormalization, Erf.
+ConvTranspose, Slice, ReduceMean/Sum/Max, Cast, Pad, LayerNormalization,
+InstanceNormalization, Erf, Split, DepthToSpace/SpaceToDepth.
 
 Each is written once for an array module `xp` (CuPy for the GPU run, NumPy
 for the float64 reference), like the small ones in runner.OPS. Index and
@@ -57,6 +58,10 @@ def check(op: str, attrs: Dict[str, Any]) -> Optional[str]:
             return "ConvTranspose auto_pad is not supported; export with explicit pads"
         if "output_shape" in attrs:
             return "ConvTranspose output_shape is not supported; export with explicit pads and output_padding"
+    if op in ("DepthToSpace", "SpaceToDepth") and text(attrs.get("mode"), "DCR") not in ("DCR", "CRD"):
+        return f"{op} mode {attrs['mode']!r} is not an ONNX value"
+    if op == "Upsample" and text(attrs.get("mode"), "nearest") not in ("nearest", "linear"):
+        return f"Upsample mode {attrs['mode']!r} is not supported (nearest and linear are)"
     if op == "Pad" and text(attrs.get("mode"), "constant") != "constant":
         return f"Pad mode {attrs['mode']!r} is not supported (constant is)"
     return None
@@ -256,3 +261,47 @@ def gelu(xp: Any, x: Any, approximate: str) -> Any:
     if approximate == "tanh":
         return 0.5 * x * (1 + xp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
     return 0.5 * x * (1 + erf(xp, x / np.sqrt(2)))
+
+
+def instance_norm(xp: Any, x: Any, scale: Any, bias: Any, eps: float) -> Any:
+    """ONNX InstanceNormalization: per image and channel over the spatial axes."""
+    axes = tuple(range(2, x.ndim))
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    return (x - mean) / xp.sqrt(var + eps) * scale.reshape(shape) + bias.reshape(shape)
+
+
+def split(xp: Any, x: Any, split_sizes: Any, attrs: Dict[str, Any], n_out: int) -> tuple:
+    """ONNX Split: sizes from the input (opset 13+) or attribute, else equal
+    parts (the last one smaller, as opset 18 allows)."""
+    axis = int(attrs.get("axis", 0)) % x.ndim
+    if split_sizes is not None:
+        sizes = host(split_sizes).astype(np.int64).tolist()
+    elif "split" in attrs:
+        sizes = [int(v) for v in attrs["split"]]
+    else:
+        part = -(-x.shape[axis] // n_out)
+        sizes = [min(part, x.shape[axis] - i * part) for i in range(n_out)]
+    bounds = np.cumsum([0] + sizes)
+    index: List[Any] = [slice(None)] * x.ndim
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        index[axis] = slice(int(lo), int(hi))
+        outs.append(x[tuple(index)])
+    return tuple(outs)
+
+
+def depth_to_space(x: Any, bs: int, mode: str) -> Any:
+    b, c, h, w = x.shape
+    if mode == "CRD":
+        y = x.reshape(b, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:  # DCR
+        y = x.reshape(b, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
+    return y.reshape(b, c // (bs * bs), h * bs, w * bs)
+
+
+def space_to_depth(x: Any, bs: int) -> Any:
+    b, c, h, w = x.shape
+    y = x.reshape(b, c, h // bs, bs, w // bs, bs).transpose(0, 3, 5, 1, 2, 4)
+    return y.reshape(b, c * bs * bs, h // bs, w // bs)

@@ -216,6 +216,20 @@ OPS: Dict[str, Callable[..., Any]] = {
     "LayerNormalization": lambda xp, n, x, scale, bias=None: ops.layer_norm(xp, x, scale, bias, n.attrs),
     "Erf": lambda xp, n, x: ops.erf(xp, x),
     "Gelu": lambda xp, n, x: ops.gelu(xp, x, ops.text(n.attrs.get("approximate"), "none")),
+    "PRelu": lambda xp, n, x, slope: xp.where(x >= 0, x, x * slope),
+    "Elu": lambda xp, n, x: xp.where(x > 0, x, float(n.attrs.get("alpha", 1.0)) * (xp.exp(xp.minimum(x, 0)) - 1)),
+    "Softplus": lambda xp, n, x: xp.logaddexp(0, x),
+    "InstanceNormalization": lambda xp, n, x, s, b: ops.instance_norm(xp, x, s, b, float(n.attrs.get("epsilon",
+                                                                                                       1e-5))),
+    "Split": lambda xp, n, x, sizes=None: ops.split(xp, x, sizes, n.attrs, len(n.outputs)),
+    "DepthToSpace": lambda xp, n, x: ops.depth_to_space(x, int(n.attrs["blocksize"]),
+                                                        ops.text(n.attrs.get("mode"), "DCR")),
+    "SpaceToDepth": lambda xp, n, x: ops.space_to_depth(x, int(n.attrs["blocksize"])),
+    # Upsample (opsets 7-9): Resize with the coordinates it always used.
+    "Upsample": lambda xp, n, x, scales=None: ops.resize(
+        xp, x, None, np.asarray(n.attrs["scales"]) if scales is None else scales, None,
+        {"mode": n.attrs.get("mode", "nearest"), "coordinate_transformation_mode": "asymmetric",
+         "nearest_mode": "floor"}),
 }
 
 
@@ -281,7 +295,10 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, An
         except KeyError as exc:
             raise ModelError(f"{program.path}: node {node.name} ({node.op}): input {exc} is not produced "
                              "by any earlier node") from None
-        values[node.outputs[0]] = out
+        if isinstance(out, tuple):  # several outputs (Split)
+            values.update(zip(node.outputs, out))
+        else:
+            values[node.outputs[0]] = out
     return [values[name] for name in program.output_names]
 
 

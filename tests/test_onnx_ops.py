@@ -299,3 +299,36 @@ def test_gelu_opset_20_and_erf_without_scipy(tmp_path, monkeypatch, approximate)
     np.testing.assert_allclose(onnx_ops.erf(np, np.array([-1.0, 0.5])), [-0.8427007929497149, 0.5204998778130465],
                                rtol=1e-15)
     np.testing.assert_allclose(_check(path, x), with_scipy, rtol=1e-13)
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_channel_shuffling_split_and_activations_match_onnxruntime(tmp_path, mode):
+    """DepthToSpace/SpaceToDepth (pixel shuffle), Split into sizes and into
+    equal parts (ShuffleNet, YOLO C2f), PRelu, Elu, Softplus,
+    InstanceNormalization."""
+    rng = np.random.default_rng()
+    nodes, inits = _stem(rng, 2, 8)
+    inits.update({"sizes": np.array([3, 5], np.int64), "slope": rng.random((8, 1, 1)).astype(np.float32),
+                  "in_s": rng.random(8).astype(np.float32) + 0.5, "in_b": rng.standard_normal(8).astype(np.float32)})
+    nodes += [helper.make_node("PRelu", ["c", "slope"], ["p"]),
+              helper.make_node("DepthToSpace", ["p"], ["d2s"], blocksize=2, mode=mode),   # (N, 2, 8, 12)
+              helper.make_node("SpaceToDepth", ["d2s"], ["s2d"], blocksize=2),           # (N, 8, 4, 6)
+              helper.make_node("Split", ["s2d", "sizes"], ["a", "b"], axis=1),
+              helper.make_node("Split", ["b"], ["b1", "b2"], axis=3),
+              helper.make_node("Elu", ["b1"], ["e"], alpha=0.7),
+              helper.make_node("Softplus", ["b2"], ["sp"]),
+              helper.make_node("Concat", ["e", "sp"], ["b3"], axis=3),
+              helper.make_node("Concat", ["a", "b3"], ["cat"], axis=1),
+              helper.make_node("InstanceNormalization", ["cat", "in_s", "in_b"], ["out"], epsilon=1e-3)]
+    path = _save(tmp_path, nodes, inits, [2, 2, 4, 6], opset=13)
+    _check(path, 3 * rng.standard_normal((2, 2, 4, 6)).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_upsample_of_old_exports_matches_onnxruntime(tmp_path, mode):
+    rng = np.random.default_rng()
+    nodes, inits = _stem(rng, 2, 3)
+    inits["scales"] = np.array([1, 1, 2, 3], np.float32)
+    nodes.append(helper.make_node("Upsample", ["c", "scales"], ["out"], mode=mode))
+    path = _save(tmp_path, nodes, inits, [2, 2, 3, 5], opset=9)
+    _check(path, rng.standard_normal((2, 2, 3, 5)).astype(np.float32))
