@@ -254,11 +254,19 @@ def test_asymmetric_padding_is_refused_up_front_naming_the_limit(tmp_path, pads,
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("k,c,hw", [(8, 2, (1, 1)), (2, 8, (1, 1)), (64, 1, (1, 1)), (8, 2, (5, 3)), (64, 1, (4, 4))])
-def test_pointwise_convs_with_few_input_channels_compile(tmp_path, k, c, hw, session_cache_dir):
-    """Squeeze-excite 1x1 convs (2 -> 8 channels on a 1x1 input) and 1x1 convs
-    with one input channel compile (issue 14, item 2); the kernels are run in
-    the PTX interpreter and match the dense conv."""
+@pytest.mark.parametrize("wshape,hw,stride,pad,dil,groups", [
+    ((8, 2, 1, 1), (1, 1), 1, 0, 1, 1), ((2, 8, 1, 1), (1, 1), 1, 0, 1, 1),   # squeeze-excite on a 1x1 input
+    ((64, 1, 1, 1), (1, 1), 1, 0, 1, 1), ((64, 1, 1, 1), (4, 4), 1, 0, 1, 1),  # one input channel
+    ((8, 2, 1, 1), (5, 3), 1, 0, 1, 1), ((6, 2, 1, 1), (1, 1), 1, 0, 1, 3),
+    ((4, 3, 3, 3), (1, 1), 1, 1, 1, 1),                                       # kernel larger than the input
+    ((8, 1, 7, 7), (2, 2), 1, 3, 1, 8),                                       # late depthwise 7x7
+    ((4, 4, 3, 3), (2, 3), 2, 2, 2, 1), ((16, 1, 3, 3), (1, 7), 1, 1, 1, 16)])
+def test_small_and_one_channel_geometries_compile_and_compute(tmp_path, wshape, hw, stride, pad, dil, groups,
+                                                              session_cache_dir):
+    """Geometries exported CNNs have and issue 14 found failing: squeeze-
+    excite 1x1 convs (2 -> 8 channels on a 1x1 input), 1x1 convs with one
+    input channel, kernels larger than their input. Each compiles, and its
+    kernel, run in the PTX interpreter, matches the dense conv."""
     from sparseconv.build import build_conv2d
     from sparseconv.cache import ArtifactCache
     from sparseconv.shapes import shape_from_weight
@@ -267,17 +275,18 @@ def test_pointwise_convs_with_few_input_channels_compile(tmp_path, k, c, hw, ses
     from ptx_interpreter import run_kernel
 
     rng = np.random.default_rng()
-    w = pruned_weight(rng, (k, c, 1, 1), 0.5)
-    shape = shape_from_weight(w, hw)
+    w = pruned_weight(rng, wshape, 0.5)
+    shape = shape_from_weight(w, hw, stride, pad, dil, groups)
     cache = ArtifactCache(session_cache_dir)
-    built = build_conv2d(w, shape, cache=cache, name=f"se_{k}x{c}")
-    x = rng.standard_normal((2, c) + hw).astype(np.float32)
-    y = np.full((2, k) + hw, np.nan, np.float32)
-    bias = np.zeros(k, np.float32)
+    built = build_conv2d(w, shape, cache=cache, name="small")
+    x = rng.standard_normal((2, shape.in_channels) + hw).astype(np.float32)
+    y = np.full((2, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
     run_kernel(cache.get_text("kernel", built.ptx_sha256, ".ptx"), built.entry, grid=built.grid(2),
                block=(built.tiling.threads, 1, 1), args=[x, y, bias, 0, 2, built.chunks],
                dynamic_shared_bytes=built.shared_bytes)
-    assert relative_l2(y, conv2d_reference(x.astype(np.float64), w, bias)) <= 1e-6
+    want = conv2d_reference(x.astype(np.float64), w, bias, (stride, stride), (pad, pad), (dil, dil), groups)
+    assert relative_l2(y, want) <= 1e-6
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
