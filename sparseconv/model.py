@@ -2,7 +2,9 @@
 
 Formats (detected from the extension or the file's first bytes; `fmt` overrides):
   * onnx  : Conv nodes; strides/pads/dilations/group from attributes, weights and
-            biases from initializers, input sizes from the graph's (inferred) shapes.
+            biases from initializers, Constant nodes or static subgraphs (folded
+            once by onnx's ReferenceEvaluator), input sizes from the graph's
+            shapes (onnx shape inference with data propagation).
   * npz         : NumPy archive, no pickle.
   * safetensors : safetensors file (read as NumPy, no torch needed).
   * torch       : PyTorch checkpoint, read with torch.load(weights_only=True)
@@ -285,13 +287,14 @@ def node_name(node: Any, index: int) -> str:
 
 @dataclass(frozen=True)
 class OnnxFile:
-    """One parse of an ONNX model: the shape-inferred graph, every initializer
-    as an array (each converted once), and the Conv layers. load_model
+    """One parse of an ONNX model: the graph with its static part folded and
+    shapes inferred, every constant as an array (initializers converted once,
+    folded values added), and the Conv layers. load_model
     (compile, inspect) and the runner (run) both read models through it."""
 
     path: Path
     graph: Any                         # onnx.GraphProto, shapes inferred
-    constants: Dict[str, np.ndarray]   # initializer name -> array
+    constants: Dict[str, np.ndarray]   # initializer or folded value name -> array
     layers: List[ConvLayer]
 
 
@@ -318,15 +321,19 @@ def _safe_external_data(path: Path, model: Any) -> None:
         load_external_data_for_model(model, str(path.parent))
 
 
+def _check_elements(path: Path, what: str, dims: Any) -> None:
+    n = 1
+    for d in dims:
+        n *= max(int(d), 0)
+    if n > 2 ** 34:  # more elements than any real layer; refuse before allocating
+        raise ModelError(f"{path}: {what} declares shape {list(dims)} ({n} elements); "
+                         "the file is damaged or not a real model")
+
+
 def _initializer(path: Path, tensor: Any) -> np.ndarray:
     from onnx import numpy_helper
 
-    n = 1
-    for d in tensor.dims:
-        n *= max(int(d), 0)
-    if n > 2 ** 34:  # more elements than any real layer; refuse before allocating
-        raise ModelError(f"{path}: initializer {tensor.name} declares shape {list(tensor.dims)} ({n} elements); "
-                         "the file is damaged or not a real model")
+    _check_elements(path, f"initializer {tensor.name}", tensor.dims)
     try:
         return numpy_helper.to_array(tensor)
     except Exception as exc:  # ValueError from reshape when dims and data disagree, and friends
@@ -334,10 +341,81 @@ def _initializer(path: Path, tensor: Any) -> np.ndarray:
                          f"match its data ({_why(exc)})") from None
 
 
+# Nodes never folded although their inputs are static: their value changes per run.
+_NOT_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                         "Multinomial", "Bernoulli"})
+
+
+def _fold_constants(path: Path, model: Any, constants: Dict[str, np.ndarray]) -> None:
+    """Fold the static part of the graph once, in place: every node whose
+    inputs are all constant (Constant nodes, and Identity/Cast/Transpose/
+    Reshape/... chains on initializers, as exporters write weights) is
+    evaluated by onnx's own ReferenceEvaluator and replaced by an initializer.
+    Compile, inspect and run then see weights wherever the exporter put them."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    static = set(constants)
+    folded, kept = [], []
+    for node in graph.node:
+        subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+        if (node.domain in ("", "ai.onnx") and node.op_type not in _NOT_FOLDED and not subgraph
+                and all(i in static for i in node.input if i)):
+            folded.append(node)
+            static.update(o for o in node.output if o)
+        else:
+            kept.append(node)
+    if not folded:
+        return
+    for i, node in enumerate(folded):
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                _check_elements(path, f"{node.op_type} node {node_name(node, i)}", a.t.dims)
+    needed = {i for n in kept for i in n.input if i} | {o.name for o in graph.output}
+    wanted = sorted({o for n in folded for o in n.output if o in needed})
+    if not wanted:
+        del graph.node[:]
+        graph.node.extend(kept)
+        return
+    feeds = {i: constants[i] for n in folded for i in n.input if i in constants}
+    from onnx.reference import ReferenceEvaluator
+
+    opsets = {d.domain: d.version for d in model.opset_import}
+    sub = helper.make_graph(folded, "static", [helper.make_empty_tensor_value_info(n) for n in feeds],
+                            [helper.make_empty_tensor_value_info(n) for n in wanted])
+    try:
+        values = ReferenceEvaluator(sub, opsets=opsets).run(None, feeds)
+    except Exception as exc:
+        raise ModelError(f"{path}: cannot evaluate the static part of the graph ({_failing_node(folded, feeds, opsets)}"
+                         f"{_why(exc)}); the file is damaged or uses an operator onnx cannot evaluate") from None
+    for name, value in zip(wanted, values):
+        value = np.asarray(value)
+        constants[name] = value
+        graph.initializer.append(numpy_helper.from_array(value, name))
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def _failing_node(nodes: List[Any], feeds: Dict[str, np.ndarray], opsets: Dict[str, int]) -> str:
+    """Which static node fails, for the error message (only on the error path)."""
+    from onnx.reference import ReferenceEvaluator
+
+    values = dict(feeds)
+    for i, node in enumerate(nodes):
+        try:
+            outs = ReferenceEvaluator(node, opsets=opsets).run(None, {n: values[n] for n in node.input if n})
+        except Exception:
+            return f"node {node.name} ({node.op_type}): "
+        values.update(zip(node.output, outs))
+    return ""
+
+
 def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxFile:
-    """Parse an ONNX model once: check it, infer shapes (with the image size
-    fixed to input_size when given), convert the initializers and read every
-    Conv node as a ConvLayer. Raises ModelError naming the file and node."""
+    """Parse an ONNX model once: check it, name unnamed nodes by position,
+    convert the initializers, fold the static subgraphs, infer shapes (with
+    the image size fixed to input_size when given) and read every Conv node
+    as a ConvLayer. Raises ModelError naming the file and node."""
     path = Path(path)
     try:
         import onnx
@@ -353,6 +431,10 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model, or one with an empty graph (no nodes)")
     _safe_external_data(path, model)
+    for i, node in enumerate(model.graph.node):  # names by position in the file, before folding
+        node.name = node_name(node, i)
+    constants = {t.name: _initializer(path, t) for t in model.graph.initializer}
+    _fold_constants(path, model, constants)
     try:
         if input_size is not None:  # fix the image size of every 4-D graph input, then re-infer
             init_names = {t.name for t in model.graph.initializer}
@@ -360,11 +442,16 @@ def read_onnx(path: Path, input_size: Optional[Tuple[int, int]] = None) -> OnnxF
                 dims = inp.type.tensor_type.shape.dim
                 if inp.name not in init_names and len(dims) == 4:
                     dims[2].dim_value, dims[3].dim_value = input_size
-        model = shape_inference.infer_shapes(model)
+        # data_prop: sizes computed by Shape/Gather/Concat/... arithmetic
+        # (Resize to another tensor's size) become static too. Should onnx's
+        # data propagation stumble on a graph, plain inference still serves.
+        try:
+            model = shape_inference.infer_shapes(model, data_prop=True)
+        except Exception:
+            model = shape_inference.infer_shapes(model)
     except Exception as exc:
         raise ModelError(f"{path}: ONNX shape inference failed ({_why(exc)})") from None
     graph = model.graph
-    constants = {t.name: _initializer(path, t) for t in graph.initializer}
     shapes: Dict[str, List[Optional[int]]] = {}
     for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
         dims = vi.type.tensor_type.shape.dim
@@ -382,22 +469,20 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
     where = f"{path}: Conv node {name}"
     auto_pad = attrs.get("auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
-    if auto_pad not in ("NOTSET", ""):
-        raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not supported; export with explicit pads")
+    if auto_pad not in ("NOTSET", "", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise ModelError(f"{where}: attribute auto_pad={auto_pad} is not an ONNX value")
     if len(node.input) < 2 or node.input[1] not in constants:
-        raise ModelError(f"{where}: the weight is not a constant initializer; only static weights compile")
+        raise ModelError(f"{where}: the weight is computed from the graph input, or by a node that cannot be "
+                         "evaluated at import (custom domain, random), not stored in the file (initializer, "
+                         "Constant node or a static subgraph); only static weights compile")
     weight = _float_array(path, name, "weight", constants[node.input[1]])
     if weight.ndim != 4:
         raise ModelError(f"{where}: only 2-D convolutions are supported (weight shape {weight.shape})")
     bias = None
     if len(node.input) > 2 and node.input[2]:
         if node.input[2] not in constants:
-            raise ModelError(f"{where}: the bias is not a constant initializer")
+            raise ModelError(f"{where}: the bias is computed from the graph input; only static biases compile")
         bias = _float_array(path, name, "bias", constants[node.input[2]])
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
-        raise ModelError(f"{where}: asymmetric pads {pads} are not supported (need top == bottom, "
-                         "left == right)")
     if "kernel_shape" in attrs and tuple(attrs["kernel_shape"]) != weight.shape[2:]:
         raise ModelError(f"{where}: kernel_shape {attrs['kernel_shape']} disagrees with the weight "
                          f"{weight.shape}")
@@ -406,5 +491,28 @@ def _onnx_conv(path: Path, name: str, node: Any, constants: Dict[str, np.ndarray
         hw: Tuple[int, int] = (int(in_shape[2]), int(in_shape[3]))
     else:
         raise ModelError(f"{where}: the graph gives no static input size for this layer; pass --input-size")
-    return _make_layer(path, name, weight, bias, hw, tuple(attrs.get("strides", (1, 1))), (pads[0], pads[1]),
-                       tuple(attrs.get("dilations", (1, 1))), attrs.get("group", 1))
+    strides = tuple(int(v) for v in attrs.get("strides", (1, 1)))
+    dilations = tuple(int(v) for v in attrs.get("dilations", (1, 1)))
+    pads = [int(v) for v in attrs.get("pads", [0, 0, 0, 0])]
+    if auto_pad == "VALID":
+        pads = [0, 0, 0, 0]
+    elif auto_pad.startswith("SAME") and len(strides) == len(dilations) == 2:
+        pads = _same_pads(hw, weight.shape[2:], strides, dilations, upper=auto_pad == "SAME_UPPER")
+    if len(pads) != 4 or pads[0] != pads[2] or pads[1] != pads[3]:
+        shown = f"auto_pad={auto_pad}, which gives pads {pads}" if auto_pad.startswith("SAME") else f"pads {pads}"
+        raise ModelError(f"{where}: {shown}: the kernels pad symmetrically (top == bottom, left == right); "
+                         "asymmetric padding is not supported (re-export with symmetric padding, e.g. "
+                         "padding=k//2 and an odd kernel)")
+    return _make_layer(path, name, weight, bias, hw, strides, (pads[0], pads[1]), dilations, attrs.get("group", 1))
+
+
+def _same_pads(hw: Tuple[int, int], kernel: Tuple[int, ...], strides: Tuple[int, ...],
+               dilations: Tuple[int, ...], upper: bool) -> List[int]:
+    """ONNX auto_pad SAME_UPPER / SAME_LOWER as explicit [top, left, bottom, right]."""
+    begin, end = [], []
+    for size, k, st, d in zip(hw, kernel, strides, dilations):
+        total = max((-(-size // st) - 1) * st + (k - 1) * d + 1 - size, 0)
+        small, big = total // 2, total - total // 2
+        begin.append(small if upper else big)
+        end.append(big if upper else small)
+    return begin + end

@@ -2,9 +2,12 @@
 
 Every Conv node runs as a sparseconv kernel on the GPU; the other nodes are
 small array functions written once for an array module `xp` (CuPy on the GPU,
-NumPy for the float64 dense reference). Only the operators in `OPS` are
-supported: enough for LeNet/VGG/ResNet-style exports. Anything else is refused
-when the model is loaded, naming the node, before any compile starts.
+NumPy for the float64 dense reference); the larger ones (Resize,
+ConvTranspose, Slice, reductions, Cast, Pad) are in onnx_ops.py. Only the
+operators in `OPS` are supported: enough for LeNet/VGG/ResNet, MobileNetV2/V3
+and UNet/FPN-style exports. Anything else is refused when the model is
+loaded, naming the node, before any compile starts. Constant nodes and static
+subgraphs never reach the runner: model.read_onnx folds them.
 
     model = compile_model("models/lenet_digits_pruned.onnx")   # SparseModel
     logits = model(x)                       # x: CuPy or NumPy (N, 1, 8, 8) float32
@@ -20,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import onnx_ops as ops
 from .dense import conv2d_im2col
 from .api import compile_layers
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
@@ -45,6 +49,18 @@ class OnnxProgram:
     input_shape: Tuple[Optional[int], ...]  # None where the graph leaves a dimension free
     output_names: Tuple[str, ...]
     convs: Dict[str, ConvLayer]  # node name -> layer
+
+    def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
+        """One line per conv-like node: how it runs. backends: Conv name ->
+        the compiled kernel's backend (default: 'sparseconv')."""
+        lines = []
+        for node in self.nodes:
+            if node.op == "Conv":
+                s = self.convs[node.name].shape
+                lines.append(f"{node.name}: Conv {s.describe()}, {(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.op == "ConvTranspose":
+                lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
+        return lines
 
 
 # --------------------------------------------------------------------------- operators
@@ -116,7 +132,28 @@ def _unsqueeze(x: Any, axes: Sequence[int]) -> Any:
 
 
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
-    return lambda xp, n, a, b: fn(a, b)
+    def op(xp: Any, n: Node, a: Any, b: Any) -> Any:
+        if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):  # host shape value meets a device tensor
+            a, b = xp.asarray(a), xp.asarray(b)
+        return fn(a, b)
+    return op
+
+
+def _clip(xp: Any, n: Node, x: Any, lo: Any = None, hi: Any = None) -> Any:
+    """Clip; bounds as inputs (opset 11+) or attributes min/max (older), ReLU6 in exports."""
+    lo = n.attrs.get("min", -np.inf) if lo is None else float(lo)
+    hi = n.attrs.get("max", np.inf) if hi is None else float(hi)
+    return xp.clip(x, float(lo), float(hi))
+
+
+def _variadic(name: str) -> Callable[..., Any]:
+    """Max / Min of any number of inputs, broadcast."""
+    def op(xp: Any, n: Node, *xs: Any) -> Any:
+        out = xs[0]
+        for x in xs[1:]:
+            out = _binary(getattr(xp, name))(xp, n, out, x)
+        return out
+    return op
 
 
 # op -> f(xp, node, *inputs); absent optional inputs arrive as None. Shape
@@ -126,8 +163,20 @@ OPS: Dict[str, Callable[..., Any]] = {
     "LeakyRelu": lambda xp, n, x: xp.where(x >= 0, x, x * float(n.attrs.get("alpha", 0.01))),
     "Sigmoid": lambda xp, n, x: 1 / (1 + xp.exp(-x)),
     "Tanh": lambda xp, n, x: xp.tanh(x),
-    "Clip": lambda xp, n, x, lo=None, hi=None: xp.clip(
-        x, -np.inf if lo is None else float(lo), np.inf if hi is None else float(hi)),
+    "Clip": _clip,
+    "HardSigmoid": lambda xp, n, x: xp.clip(x * float(n.attrs.get("alpha", 0.2)) + float(n.attrs.get("beta", 0.5)),
+                                            0.0, 1.0),
+    "HardSwish": lambda xp, n, x: x * xp.clip(x / 6 + 0.5, 0.0, 1.0),
+    "Sqrt": lambda xp, n, x: xp.sqrt(x),
+    "Exp": lambda xp, n, x: xp.exp(x),
+    "Neg": lambda xp, n, x: -x,
+    "Abs": lambda xp, n, x: abs(x),
+    "Reciprocal": lambda xp, n, x: 1 / x,
+    "Floor": lambda xp, n, x: xp.floor(x),
+    "Ceil": lambda xp, n, x: xp.ceil(x),
+    "Pow": _binary(lambda a, b: a ** b),
+    "Max": _variadic("maximum"),
+    "Min": _variadic("minimum"),
     "MaxPool": lambda xp, n, x: _pool(xp, x, n.attrs, "max"),
     "AveragePool": lambda xp, n, x: _pool(xp, x, n.attrs, "mean"),
     "GlobalAveragePool": lambda xp, n, x: x.mean(axis=(2, 3), keepdims=True),
@@ -154,6 +203,33 @@ OPS: Dict[str, Callable[..., Any]] = {
                                      else xp.take(x, xp.asarray(_host_ints(idx)), axis=int(n.attrs.get("axis", 0)))),
     "Unsqueeze": lambda xp, n, x, axes=None: _unsqueeze(
         x, n.attrs["axes"] if axes is None else _host_ints(axes).tolist()),
+    "Squeeze": lambda xp, n, x, axes=None: ops.squeeze(x, ops.axes_of(n.attrs, axes)),
+    "Slice": lambda xp, n, x, starts, ends, axes=None, steps=None: ops.slice_(xp, x, starts, ends, axes, steps),
+    "Transpose": lambda xp, n, x: x.transpose(tuple(n.attrs.get("perm", range(x.ndim)[::-1]))),
+    "Cast": lambda xp, n, x: ops.cast(xp, x, int(n.attrs["to"])),
+    "ReduceMean": lambda xp, n, x, axes=None: ops.reduce(xp, "mean", x, n.attrs, axes),
+    "ReduceSum": lambda xp, n, x, axes=None: ops.reduce(xp, "sum", x, n.attrs, axes),
+    "ReduceMax": lambda xp, n, x, axes=None: ops.reduce(xp, "max", x, n.attrs, axes),
+    "Resize": lambda xp, n, x, roi=None, scales=None, sizes=None: ops.resize(xp, x, roi, scales, sizes, n.attrs),
+    "ConvTranspose": lambda xp, n, x, w, b=None: ops.conv_transpose(xp, x, w, b, n.attrs),
+    "Pad": lambda xp, n, x, pads, value=None, axes=None: ops.pad(xp, x, pads, value, axes),
+    "LayerNormalization": lambda xp, n, x, scale, bias=None: ops.layer_norm(xp, x, scale, bias, n.attrs),
+    "Erf": lambda xp, n, x: ops.erf(xp, x),
+    "Gelu": lambda xp, n, x: ops.gelu(xp, x, ops.text(n.attrs.get("approximate"), "none")),
+    "PRelu": lambda xp, n, x, slope: xp.where(x >= 0, x, x * slope),
+    "Elu": lambda xp, n, x: xp.where(x > 0, x, float(n.attrs.get("alpha", 1.0)) * (xp.exp(xp.minimum(x, 0)) - 1)),
+    "Softplus": lambda xp, n, x: xp.logaddexp(0, x),
+    "InstanceNormalization": lambda xp, n, x, s, b: ops.instance_norm(xp, x, s, b, float(n.attrs.get("epsilon",
+                                                                                                       1e-5))),
+    "Split": lambda xp, n, x, sizes=None: ops.split(xp, x, sizes, n.attrs, len(n.outputs)),
+    "DepthToSpace": lambda xp, n, x: ops.depth_to_space(x, int(n.attrs["blocksize"]),
+                                                        ops.text(n.attrs.get("mode"), "DCR")),
+    "SpaceToDepth": lambda xp, n, x: ops.space_to_depth(x, int(n.attrs["blocksize"])),
+    # Upsample (opsets 7-9): Resize with the coordinates it always used.
+    "Upsample": lambda xp, n, x, scales=None: ops.resize(
+        xp, x, None, np.asarray(n.attrs["scales"]) if scales is None else scales, None,
+        {"mode": n.attrs.get("mode", "nearest"), "coordinate_transformation_mode": "asymmetric",
+         "nearest_mode": "floor"}),
 }
 
 
@@ -171,7 +247,6 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
         raise ModelError(f"{path}: the model has no Conv layer; nothing for sparseconv to run")
     check_names(path, parsed.layers)
     import onnx
-    from onnx import numpy_helper
 
     graph = parsed.graph
     constants = dict(parsed.constants)
@@ -183,22 +258,16 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
         dims[2:] = input_size
     convs = {layer.name: layer for layer in parsed.layers}
     nodes = []
-    for i, nd in enumerate(graph.node):
+    for i, nd in enumerate(graph.node):  # Constant nodes and static subgraphs are already folded
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
         name = node_name(nd, i)
-        if nd.op_type == "Constant":
-            if "value" not in attrs:
-                raise ModelError(f"{path}: Constant node {name}: only the 'value' attribute is supported")
-            try:
-                constants[nd.output[0]] = numpy_helper.to_array(attrs["value"])
-            except Exception as exc:
-                raise ModelError(f"{path}: Constant node {name}: its value does not match its declared shape "
-                                 f"({type(exc).__name__}: {exc})") from None
-            continue
-        if nd.op_type != "Conv" and nd.op_type not in OPS:
+        if nd.op_type != "Conv" and (nd.op_type not in OPS or nd.domain not in ("", "ai.onnx")):
             raise ModelError(f"{path}: node {name} has operator {nd.op_type}, which `sparseconv run` does not "
                              f"support (supported: Conv, Constant, {', '.join(sorted(OPS))}); use the PyTorch "
                              "drop-in sparseconv.torch.sparsify for other models")
+        why = ops.check(nd.op_type, attrs)
+        if why:
+            raise ModelError(f"{path}: node {name}: {why}")
         if nd.op_type in ("MaxPool", "AveragePool") and any(d != 1 for d in attrs.get("dilations", (1, 1))):
             raise ModelError(f"{path}: node {name}: pooling dilations {attrs['dilations']} are not supported")
         if nd.op_type in ("MaxPool", "AveragePool") and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
@@ -226,7 +295,10 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, An
         except KeyError as exc:
             raise ModelError(f"{program.path}: node {node.name} ({node.op}): input {exc} is not produced "
                              "by any earlier node") from None
-        values[node.outputs[0]] = out
+        if isinstance(out, tuple):  # several outputs (Split)
+            values.update(zip(node.outputs, out))
+        else:
+            values[node.outputs[0]] = out
     return [values[name] for name in program.output_names]
 
 
@@ -261,6 +333,11 @@ class SparseModel:
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
+
+    @property
+    def plan(self) -> List[str]:
+        """How each conv-like node runs: its kernel's backend, or dense."""
+        return self.program.plan({name: k.backend for name, k in self.kernels.items()})
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,

@@ -117,8 +117,6 @@ def bad_inputs(tmp_path):
     (tmp_path / "m.bin").write_bytes(b"\x00\x01\x02\x03junk")
     if __import__("importlib").util.find_spec("onnx"):
         cases["no_conv"] = ([str(onnx_model(tmp_path / "noconv.onnx", with_conv=False)[0])], "no Conv layer")
-        cases["auto_pad"] = ([str(onnx_model(tmp_path / "pad.onnx", auto_pad="SAME_UPPER")[0])],
-                             "Conv node /stem/Conv: attribute auto_pad=SAME_UPPER")
         corrupt = tmp_path / "corrupt.onnx"
         corrupt.write_bytes(b"\x08\x07garbage-not-protobuf" * 3)
         cases["corrupt_onnx"] = ([str(corrupt)], "not a readable ONNX model")
