@@ -20,7 +20,7 @@ from ..dense import conv2d_im2col, torch_flags
 from ..api import compile_conv2d
 from ..operators import benchmark_operators
 from ..parallel import LayerJob, build_many
-from ..shapes import ConvShape
+from ..shapes import ConvShape, batch_variants, default_tiling
 from ..testing import pruned_weight, relative_l2
 from ..timing import Capture, cupy_graph, one_line, time_gpu, torch_graph
 from .baselines import IM2COL_BASELINES, check_baselines, cudnn_launch, im2col_runners, import_torch
@@ -138,10 +138,13 @@ def _free_gpu(torch: Any) -> None:
 
 def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.ndarray], config: BenchConfig,
               log: Callable[[str], None]) -> None:
-    """Build every kernel in a process pool first (CPU only), so the timing loop
-    only loads cached cubins."""
+    """Build every kernel, each batch variant of it too (shapes.batch_variants),
+    in a process pool first (CPU only), so the timing loop only loads cached
+    cubins."""
     shapes = {layer.name: layer.shape for layer in layers}
-    jobs = [LayerJob(f"{name}@{sp}", w, shapes[name]) for (name, sp), w in weights.items()]
+    jobs = [LayerJob(f"{name}@{sp}#{i}", w, shapes[name], t)
+            for (name, sp), w in weights.items()
+            for i, (_, t) in enumerate(batch_variants(shapes[name], default_tiling(shapes[name])))]
     log(f"building {len(jobs)} kernels (cached ones are loaded)")
     build_many(jobs, target=device_target(), cache_dir=config.cache_dir, workers=config.jobs, progress=True)
 
