@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from sparseconv.parallel import LayerJob, build_many
+from sparseconv.shapes import ANY_BATCH, batch_variants, default_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.zoo import pruned_model
 
@@ -30,7 +31,10 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     a.load = a.load or a.check
-    jobs = [LayerJob(n, w, s) for n, s, w in pruned_model(a.model, a.sparsity)]
+    # Every batch variant of every layer, as compile_layers / sparsify build them.
+    jobs = [LayerJob(n if up_to == ANY_BATCH else f"{n}#split", w, s, t)
+            for n, s, w in pruned_model(a.model, a.sparsity)
+            for up_to, t in batch_variants(s, default_tiling(s))]
     cache = tempfile.mkdtemp(prefix=f"sparseconv-{a.model}-")
     t = time.perf_counter()
     cold = build_many(jobs, cache_dir=cache, workers=a.jobs)
