@@ -14,7 +14,10 @@ F64 = (torch.float64,)
 
 
 def rel(a, b):
-    return float((a - b).norm() / b.norm())
+    """Relative L2 error; the absolute one when b is all zero (a ReLU chain on
+    an unlucky random input can zero the whole output: 0/0 would be NaN)."""
+    norm = float(b.norm())
+    return float((a - b).norm()) / (norm if norm > 0 else 1.0)
 
 
 def prune_(model, sparsity=0.7, seed=0):
