@@ -6,6 +6,10 @@ and (shared-memory races of the double-buffered staging, on a few layers, as
 racecheck is slow) `compute-sanitizer --tool racecheck --error-exitcode 1
 python bench/memcheck_layers.py 'lenet-*,resnet-conv2'`.
 
+The kernel families (pointwise 1x1, split-K variants, fused residual + ReLU
+epilogue) are the layers named family-*, each run at batch 1 (the split
+variant) and 20 (unsplit): `... python bench/memcheck_layers.py 'family-*'`.
+
 Checks results too, so a run that passes memcheck is also known to be right."""
 import fnmatch
 import sys
@@ -17,6 +21,14 @@ import numpy as np
 import sparseconv
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 from sparseconv.operators import benchmark_operators
+from sparseconv.shapes import ConvShape
+
+# Layers of every kernel family, small enough for racecheck: name -> shape.
+FAMILY_LAYERS = {
+    "family-pointwise-deep": ConvShape(512, 256, 7, 7, 1, 1),              # split at batch 1
+    "family-pointwise-odd": ConvShape(37, 19, 11, 13, 1, 1, (2, 2), (1, 1)),  # padded chunks, stride, padding
+    "family-direct-split": ConvShape(128, 64, 7, 7, 3, 3, (1, 1), (1, 1)),  # split at batch 1
+}
 
 
 def main() -> int:
@@ -24,18 +36,27 @@ def main() -> int:
     patterns = sys.argv[1].split(",") if len(sys.argv) > 1 else ["*"]
     cache = tempfile.mkdtemp()
     worst = 0.0
-    for op in benchmark_operators():
-        if not any(fnmatch.fnmatch(op.name, p) for p in patterns):
+    layers = [(op.name, op.shape) for op in benchmark_operators()] + list(FAMILY_LAYERS.items())
+    for name, s in layers:
+        if not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
-        s = op.shape
+        family = name.startswith("family-")
         w = pruned_weight(rng, s.weight_shape, 0.9)
         conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), stride=s.stride, padding=s.padding,
-                                         cache_dir=cache, name=op.name)
-        x = cp.asarray(rng.standard_normal((2, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
-        y = conv(x)
-        err = relative_l2(y, conv2d_reference(x, cp.asarray(w), None, s.stride, s.padding, xp=cp), xp=cp)
-        worst = max(worst, err)
-        print(f"{op.name:16s} rel_l2={err:.2e}", flush=True)
+                                         activation="relu" if family else "none", residual=family,
+                                         cache_dir=cache, name=name)
+        for batch in ((1, 20) if family else (2,)):
+            x = cp.asarray(rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
+            ref = conv2d_reference(x, cp.asarray(w), None, s.stride, s.padding, xp=cp)
+            if family:
+                r = cp.asarray(rng.standard_normal(conv.output_shape(batch)).astype(np.float32))
+                y, ref = conv(x, residual=r), cp.maximum(ref + r, 0)
+            else:
+                y = conv(x)
+            err = relative_l2(y, ref, xp=cp)
+            worst = max(worst, err)
+            print(f"{name:24s} batch {batch:2d} {conv.variant(batch)[1].tiling.describe():60s} rel_l2={err:.2e}",
+                  flush=True)
     print(f"worst rel_l2 {worst:.2e}")
     return 0 if worst <= 1e-5 else 1
 
