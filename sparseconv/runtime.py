@@ -134,7 +134,9 @@ class Conv2dKernel:
     A kernel may hold several compiled variants of the layer, each for batches
     up to a size (e.g. the reduction split over blocks for batch 1, where one
     image gives too few blocks to fill the GPU, unsplit for larger batches);
-    the call picks by the batch size."""
+    the call picks by the batch size. A split variant keeps its partial sums in a
+    workspace of the kernel's own (one per batch size, allocated on first use):
+    calls of one kernel must not run concurrently on different streams."""
 
     backend = "sparseconv"
 
