@@ -130,8 +130,10 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
         try:
             sparsity_value = float(sparsity) if sparsity is not None else 0.9
         except ValueError:
-            raise click.BadParameter(f"one sparsity with --network, got {sparsity!r}", param_hint="--sparsity") \
-                from None
+            sparsity_value = float("nan")
+        if not 0.0 <= sparsity_value < 1.0:
+            raise click.BadParameter(f"one sparsity in [0, 1) with --network, got {sparsity!r}",
+                                     param_hint="--sparsity")
         ctx.invoke(network_command, network=network, batch_text=",".join(map(str, batches or (1, 64))),
                    sparsity=sparsity_value, input_text=input_size or "224", variant_text=variant_text,
                    repeat=min(repeat, 30), json_path=json_path, plot_path=plot_path, cache_dir=cache_dir)
