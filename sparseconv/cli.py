@@ -287,8 +287,6 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
               show_default=True, help="auto: per layer, cuDNN strict fp32 where it measured faster (needs torch); "
               "reference: the dense float64 model on the CPU, no GPU needed.")
 @click.option("--autotune", is_flag=True, help="Choose each layer's tiling by timing candidates (cached).")
-@click.option("--cuda-graph", is_flag=True, help="Capture the forward once per batch shape as a CUDA graph and "
-              "replay it (fewer launch gaps; an operator that cannot be captured runs eagerly).")
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
@@ -296,8 +294,8 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @cache_dir_option
 @json_option
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
-        batch_size: int, backend: str, autotune: bool, cuda_graph: bool, check: bool, output: Optional[Path],
-        jobs: Optional[int], cache_dir: Optional[Path], as_json: bool) -> None:
+        batch_size: int, backend: str, autotune: bool, check: bool, output: Optional[Path], jobs: Optional[int],
+        cache_dir: Optional[Path], as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
 
     The other operators run as CuPy code (see sparseconv/runner.py for the
@@ -340,7 +338,7 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
             sparse = compile_model(model, input_size=program.input_shape[2:] if input_size else None,
                                    cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
                                    progress=not as_json, tiling="auto" if autotune else None,
-                                   backend=backend, tune_batch=batch_size, cuda_graph=cuda_graph)
+                                   backend=backend, tune_batch=batch_size)
             summary["compile_s"] = round(time.perf_counter() - t, 4)
         except CompileError as exc:
             raise click.ClickException(_tool_failure(exc)) from None

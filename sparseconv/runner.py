@@ -314,83 +314,22 @@ def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
 
 
 class SparseModel:
-    """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy.
+    """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy."""
 
-    cuda_graph=True: the first call of each input shape runs the graph once
-    (loading kernels, sizing workspaces), then captures the whole forward as
-    one CUDA graph with static buffers; later calls of that shape copy the input
-    in and replay it, so the ~100 launches of a network cost one. Each call
-    returns fresh copies of the outputs. A graph that cannot be captured (an
-    operator that reads device values on the host) runs eagerly instead, and
-    `graph_notes` says why."""
-
-    def __init__(self, program: OnnxProgram, kernels: Dict[str, Any], cuda_graph: bool = False) -> None:
+    def __init__(self, program: OnnxProgram, kernels: Dict[str, Any]) -> None:
         self.program = program
         self.kernels = kernels  # layer name -> Conv2dKernel
-        self.cuda_graph = cuda_graph
-        # input shape -> (graph, static input, static outputs, allocations the graph uses), or None: eager
-        self._graphs: Dict[Tuple[int, ...], Any] = {}
-        self.graph_notes: Dict[Tuple[int, ...], str] = {}
 
     def _conv(self, layer: ConvLayer, x: Any) -> Any:
         import cupy
 
         return self.kernels[layer.name](cupy.ascontiguousarray(x))
 
-    def _eager(self, x: Any) -> List[Any]:
-        import cupy
-
-        return execute(self.program, x, cupy, self._conv, cupy.float32)
-
     def run(self, x: Any) -> List[Any]:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
         import cupy
 
-        if not self.cuda_graph:
-            return self._eager(x)
-        x = cupy.ascontiguousarray(cupy.asarray(x, dtype=cupy.float32))
-        key = tuple(x.shape)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(x)
-        entry = self._graphs[key]
-        if entry is None:
-            return self._eager(x)
-        graph, x_static, outputs, _ = entry
-        stream = cupy.cuda.get_current_stream()
-        cupy.copyto(x_static, x)
-        graph.launch(stream)
-        return [o.copy() for o in outputs]
-
-    def _capture(self, x: Any) -> Any:
-        """(graph, static input, static outputs, allocations) for x's shape, or None
-        (with the reason in graph_notes) when the forward cannot be captured."""
-        import cupy
-
-        self._eager(x)  # warm-up: modules loaded, workspaces and memory-pool blocks in place
-        pool = cupy.get_default_memory_pool()
-        held: List[Any] = []
-
-        def alloc(size: int) -> Any:  # allocations inside the graph live as long as the graph
-            mem = pool.malloc(size)
-            held.append(mem)
-            return mem
-
-        x_static = x.copy()
-        stream = cupy.cuda.Stream(non_blocking=True)
-        stream.wait_event(cupy.cuda.get_current_stream().record())
-        try:
-            with cupy.cuda.using_allocator(alloc), stream:
-                stream.begin_capture()
-                try:
-                    outputs = self._eager(x_static)
-                finally:
-                    graph = stream.end_capture()
-        except Exception as exc:  # noqa: BLE001 -- an operator that syncs: run this shape eagerly
-            self.graph_notes[tuple(x.shape)] = f"not captured, runs eagerly: {type(exc).__name__}: {exc}"
-            return None
-        stream.synchronize()
-        self.graph_notes[tuple(x.shape)] = "captured"
-        return graph, x_static, outputs, held
+        return execute(self.program, x, cupy, self._conv, cupy.float32)
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
@@ -403,16 +342,15 @@ class SparseModel:
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
                   jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
-                  backend: str = "sparseconv", tune_batch: int = 64, cuda_graph: bool = False) -> SparseModel:
+                  backend: str = "sparseconv", tune_batch: int = 64) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
-    sparseconv.tune); each kernel's .backend says which path it took.
-    cuda_graph=True replays one CUDA graph per input shape (see SparseModel)."""
+    sparseconv.tune); each kernel's .backend says which path it took."""
     program = load_program(path, input_size)
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
                              jobs=jobs, progress=progress)
-    return SparseModel(program, kernels, cuda_graph=cuda_graph)
+    return SparseModel(program, kernels)
 
 
 # --------------------------------------------------------------------------- data
