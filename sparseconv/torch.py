@@ -183,6 +183,10 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     the choice depends on the batch). None or () turns this off."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
+    if route_batches is not None and (isinstance(route_batches, (str, bytes)) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in route_batches)):
+        raise ValueError(f"sparsify: route_batches must be positive batch sizes (e.g. (1, 64)) or None, "
+                         f"got {route_batches!r}")
     if not isinstance(example_input, torch.Tensor) or not example_input.is_cuda:
         raise ValueError("sparsify: example_input must be a CUDA tensor (the model runs on the GPU); "
                          "move the model and the example with .cuda()")

@@ -665,3 +665,33 @@ def test_non_numpy_files_are_not_answered_with_allow_pickle_advice(tmp_path):
         r = CliRunner().invoke(main, args)
         refused(r, "never unpickles")
         assert "allow_pickle" not in r.output
+
+
+# --------------------------------------------------------------------------- the kernel-family and drop-in arguments
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(activation="gelu"), "activation must be one of"),
+    (dict(activation="clip"), "clip=\\(lo, hi\\) is given with activation='clip'"),
+    (dict(activation="relu", clip=(0.0, 1.0)), "clip=\\(lo, hi\\) is given with activation='clip'"),
+    (dict(activation="clip", clip=(2.0, 1.0)), "lo <= hi"),
+    (dict(residual="yes"), "residual must be a bool"),
+])
+def test_compile_conv2d_refuses_a_bad_epilogue_before_building(tmp_path, kwargs, message):
+    """Refused up front, naming the layer, with nothing built or cached."""
+    import sparseconv
+
+    w = pruned_weight(np.random.default_rng(0), (4, 2, 1, 1), 0.5)
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        sparseconv.compile_conv2d(w, input_size=8, target="sm_90", cache_dir=str(tmp_path / "cache"), name="l1",
+                                  **kwargs)
+    assert str(info.value).startswith("l1: ")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.cubin"))
+
+
+@pytest.mark.parametrize("route_batches", [[0], [1.5], "64", [True]])
+def test_sparsify_refuses_bad_route_batches(route_batches):
+    torch = pytest.importorskip("torch")
+    import sparseconv.torch as sct
+
+    with pytest.raises(ValueError, match="route_batches must be positive batch sizes"):
+        sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
