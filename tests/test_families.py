@@ -1,0 +1,101 @@
+"""CPU: the kernel-family records and rules in sparseconv.shapes: tilings of
+each family, split-K variants, batch variants, launch grids, the epilogue."""
+import math
+
+import pytest
+
+from sparseconv.render import epilogue_code, render, template_name
+from sparseconv.shapes import (ANY_BATCH, MAX_SPLIT_BATCH, ONE_WAVE, TWO_WAVES, ConvShape, Epilogue, Tiling,
+                               batch_variants, blocks_per_image, check_tiling, default_tiling, launch_grid,
+                               n_chunks, n_kblocks, padded_channels, patch_buffer_bytes, pointwise_tiling,
+                               split_tiling)
+from sparseconv.zoo import resnet50, vgg16
+
+
+def test_1x1_convs_get_the_pointwise_family_by_depth():
+    shallow = default_tiling(ConvShape(64, 256, 56, 56, 1, 1))
+    assert (shallow.family, shallow.k_block, shallow.threads) == ("pointwise", 64, 128)
+    assert default_tiling(ConvShape(256, 1024, 14, 14, 1, 1)).threads == 256
+    assert default_tiling(ConvShape(1024, 256, 14, 14, 1, 1)).threads == 512
+    narrow = default_tiling(ConvShape(512, 128, 28, 28, 1, 1))  # one block of 128 covers K: x read once
+    assert (narrow.k_block, narrow.threads) == (128, 128)
+    assert default_tiling(ConvShape(64, 64, 56, 56, 3, 3, padding=(1, 1))).family == "direct"
+
+
+def test_pointwise_tilings_prefer_a_c_block_that_divides_the_channels():
+    assert pointwise_tiling(ConvShape(1024, 256, 14, 14, 1, 1), 64).c_block == 32
+    t = pointwise_tiling(ConvShape(37, 19, 11, 13, 1, 1), 64)
+    assert t.k_block == 19 and 37 % t.c_block == 0
+    assert not padded_channels(ConvShape(1024, 256, 14, 14, 1, 1), pointwise_tiling(ConvShape(1024, 256, 14, 14, 1, 1)))
+
+
+def test_tiling_records_refuse_what_no_template_serves():
+    with pytest.raises(ValueError, match="family must be one of"):
+        Tiling(8, 4, 1, 32, family="winograd")
+    with pytest.raises(ValueError, match="tile_h 1"):
+        Tiling(8, 4, 2, 32, family="pointwise")
+    with pytest.raises(ValueError, match="slices must be a positive int"):
+        Tiling(8, 4, 1, 32, slices=0)
+    with pytest.raises(ValueError, match="1x1 convs only"):
+        check_tiling(ConvShape(8, 8, 9, 9, 3, 3), Tiling(8, 4, 1, 32, family="pointwise"))
+    with pytest.raises(ValueError, match="slices but only"):
+        check_tiling(ConvShape(8, 8, 9, 9, 1, 1), Tiling(8, 4, 1, 32, family="pointwise", slices=3))
+
+
+def test_slices_multiply_the_kblock_copies_and_divide_the_chunks():
+    shape = ConvShape(10, 12, 7, 6, 1, 1)
+    t = Tiling(4, 3, 1, 32, 1, 1, family="pointwise", slices=2)
+    assert n_kblocks(shape, t) == 3 * 2                       # ceil(12/4) channel blocks x 2 slices
+    assert n_chunks(shape, t) == 2                            # ceil(ceil(10/3) / 2) chunks per slice
+    assert padded_channels(shape, t)                          # 2 slices x 2 chunks x 3 > 10 channels
+    assert patch_buffer_bytes(shape, t) == 0                  # the pointwise family stages nothing
+
+
+def test_launch_grids_of_both_families():
+    pw = ConvShape(8, 12, 5, 6, 1, 1)
+    t = Tiling(8, 4, 1, 64, 1, 2, family="pointwise")         # 32 threads x 2 pixels
+    assert launch_grid(pw, t, 3) == (math.ceil(3 * 30 / 64), 2, 1)  # the batch folded into the pixels
+    d = ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1))
+    td = Tiling(4, 2, 4, 7, 1, 1, slices=2)
+    assert launch_grid(d, td, 3) == (2, 2 * 2, 3)
+
+
+def test_split_variants_only_where_one_image_leaves_the_gpu_idle():
+    stem = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
+    assert split_tiling(stem, default_tiling(stem)) is None   # too little work per output to split
+    big = ConvShape(64, 64, 56, 56, 1, 1)
+    assert split_tiling(big, default_tiling(big)) is None     # one image fills the GPU
+    deep = ConvShape(2048, 512, 7, 7, 1, 1)
+    split = split_tiling(deep, default_tiling(deep))
+    assert split is not None and split.threads == 128         # small batches: small blocks
+    assert split.slices & (split.slices - 1) == 0             # a power of two
+    assert blocks_per_image(deep, split) * 1 <= TWO_WAVES
+    assert 2048 // split.slices >= 128                         # enough channels per slice
+
+
+def test_batch_variants_end_with_one_for_any_batch():
+    for _, shape in resnet50() + vgg16():
+        variants = batch_variants(shape, default_tiling(shape))
+        assert variants[-1][0] == ANY_BATCH and len(variants) in (1, 2)
+        if len(variants) == 2:
+            up_to, split = variants[0]
+            assert 1 <= up_to <= MAX_SPLIT_BATCH and split.slices > 1
+            assert blocks_per_image(shape, split) / split.slices < ONE_WAVE
+
+
+def test_epilogue_records_and_their_code():
+    assert Epilogue().bounds == (None, None) and Epilogue("relu").bounds == (0.0, None)
+    assert Epilogue("relu6").bounds == (0.0, 6.0)
+    assert Epilogue("clip", clip=(-float("inf"), 2)).bounds == (None, 2.0)
+    code = epilogue_code(Epilogue("clip", clip=(-0.5, 0.7), residual=True))
+    assert "residual[at]" in code and "0xBF000000" in code  # -0.5, exact to the bit
+    assert Epilogue("relu6", residual=True).describe() == "bias + residual -> relu6"
+
+
+def test_each_family_renders_its_own_template():
+    pw = ConvShape(8, 12, 5, 6, 1, 1)
+    r = render(pw, Tiling(8, 4, 1, 32, family="pointwise"), Epilogue("relu"))
+    assert template_name("pointwise") in r.source and "__ldg" in r.source and "cp.async" not in r.source
+    assert len(r.placeholders) == 8 * 4
+    d = render(ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)), Tiling(4, 2, 4, 7, slices=2))
+    assert template_name("direct") in d.source and "#define SLICES         2" in d.source
