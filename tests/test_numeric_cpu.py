@@ -218,6 +218,11 @@ FAMILY_LAYERS = {
     "pw_residual_relu": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(8, 3, 1, 32), Epilogue("relu", residual=True)),
     "pw_split_residual_relu6": (ConvShape(12, 8, 3, 3, 1, 1), _pointwise(8, 2, 1, 32, 3),
                                 Epilogue("relu6", residual=True)),
+    # 5 chunks over 4 slices of 2: the last slice lies wholly past the channels
+    # (all its weights zero, its loads clamped in bounds): it adds zeros
+    "pw_empty_last_slice": (ConvShape(5, 4, 3, 3, 1, 1), _pointwise(4, 1, 1, 32, 4), Epilogue()),
+    "direct_empty_last_slice": (ConvShape(5, 4, 5, 5, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 5, 5, 1, 1, slices=4),
+                                Epilogue()),
     # the direct family with a split reduction and epilogues
     "direct_split": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1, slices=2), Epilogue()),
     "direct_split_uneven_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 6, 1, 2, slices=2),
