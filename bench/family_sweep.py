@@ -18,7 +18,8 @@ import numpy as np
 
 from sparseconv.runtime import Conv2dKernel
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import ConvShape, Target, Tiling, check_tiling, default_tiling, pointwise_tiling
+from sparseconv.shapes import (ConvShape, Target, Tiling, blocks_per_image, check_tiling, default_tiling,
+                               pointwise_tiling)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, time_gpu, torch_graph
 from sparseconv.zoo import resnet50, vgg16
@@ -49,11 +50,7 @@ def candidates(shape: ConvShape, batch: int, pointwise=POINTWISE, split=True):
     out = []
     for t in cands:
         # split the reduction at small batch so blocks * slices reaches ~2 waves of 132 SMs
-        if t.family == "pointwise":
-            blocks = math.ceil(batch * shape.out_h * shape.out_w / t.tile_w)
-        else:
-            blocks = math.ceil(shape.out_h / t.tile_h) * math.ceil(shape.out_w / t.tile_w) * batch
-        blocks *= math.ceil(shape.k_per_group / t.k_block) * shape.groups
+        blocks = math.ceil(blocks_per_image(shape, t) * batch)  # the same count the default rule uses
         nch = math.ceil(shape.c_per_group / t.c_block)
         variants = [t]
         if split and blocks < 264:

@@ -695,3 +695,16 @@ def test_sparsify_refuses_bad_route_batches(route_batches):
 
     with pytest.raises(ValueError, match="route_batches must be positive batch sizes"):
         sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
+
+
+def test_bench_network_option_refuses_bad_input_with_usage_errors():
+    """`sparseconv bench --network`: the same checks through the bench command."""
+    pytest.importorskip("torch")
+    runner = CliRunner()
+    for args, message in ((["--network", "alexnet"], "unknown network 'alexnet'"),
+                          (["--network", "resnet50", "--sparsity", "1.5"], "one sparsity in [0, 1)"),
+                          (["--network", "resnet50", "--sparsity", "abc"], "one sparsity in [0, 1)"),
+                          (["--network", "resnet50", "--model", "m.npz"], "leave out --model"),
+                          (["--network", "resnet50", "--variants", "eager fp16"], "unknown eager fp16")):
+        r = runner.invoke(main, ["bench", *args])
+        assert r.exit_code == 2 and message in r.output, (args, r.output)

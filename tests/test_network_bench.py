@@ -139,16 +139,3 @@ def test_run_refuses_bad_arguments_before_building():
     with pytest.raises(NetworkBenchError, match="unknown network"):
         run_network_bench("alexnet")
 
-
-def test_bench_network_option_refuses_bad_input_with_usage_errors():
-    """`sparseconv bench --network`: the same checks through the bench command."""
-    from sparseconv.cli import main
-
-    runner = CliRunner()
-    for args, message in ((["--network", "alexnet"], "unknown network 'alexnet'"),
-                          (["--network", "resnet50", "--sparsity", "1.5"], "one sparsity in [0, 1)"),
-                          (["--network", "resnet50", "--sparsity", "abc"], "one sparsity in [0, 1)"),
-                          (["--network", "resnet50", "--model", "m.npz"], "leave out --model"),
-                          (["--network", "resnet50", "--variants", "eager fp16"], "unknown eager fp16")):
-        r = runner.invoke(main, ["bench", *args])
-        assert r.exit_code == 2 and message in r.output, (args, r.output)
