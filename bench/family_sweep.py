@@ -40,13 +40,17 @@ def unique_shapes():
 POINTWISE = ((128, 1, 64), (64, 2, 64), (64, 1, 128), (32, 2, 128))  # (k_block, pixels, threads)
 
 
-def candidates(shape: ConvShape, batch: int, pointwise=POINTWISE, split=True):
+def candidates(shape: ConvShape, batch: int, pointwise=POINTWISE, split=True, wide=()):
+    """pointwise: (k_block, pixels, threads) for 1x1 layers; wide: the same
+    for the pointwise family on larger kernels, timed beside the default."""
     cands = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         for kb, pix, threads in pointwise:
             cands.append(pointwise_tiling(shape, kb, pix, threads))
     else:
         cands.append(default_tiling(shape))
+        for kb, pix, threads in wide:
+            cands.append(pointwise_tiling(shape, kb, pix, threads))
     out = []
     for t in cands:
         # split the reduction at small batch so blocks * slices reaches ~2 waves of 132 SMs
@@ -77,23 +81,29 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--pointwise", default=None,
                     help="k_block x pixels x threads candidates, e.g. 64x1x128,64x1x256 (default: POINTWISE)")
-    ap.add_argument("--only-1x1", action="store_true")
+    ap.add_argument("--wide", default="",
+                    help="k_block x pixels x threads candidates of the pointwise family for kernels above 1x1")
+    ap.add_argument("--only", choices=("1x1", "wide"), default=None, help="only 1x1 layers, or only larger kernels")
     ap.add_argument("--no-split", action="store_true")
+    ap.add_argument("--layers", default="", help="only these layers (comma-separated, e.g. resnet50:layer3.1.conv2)")
     args = ap.parse_args()
     pointwise = POINTWISE if args.pointwise is None else \
         tuple(tuple(int(v) for v in c.split("x")) for c in args.pointwise.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     shapes = unique_shapes()
-    if args.only_1x1:
-        shapes = [(n, s) for n, s in shapes if (s.kernel_h, s.kernel_w) == (1, 1)]
+    wide = tuple(tuple(int(v) for v in c.split("x")) for c in args.wide.split(",") if c)
+    if args.only:
+        shapes = [(n, s) for n, s in shapes if ((s.kernel_h, s.kernel_w) == (1, 1)) == (args.only == "1x1")]
+    if args.layers:
+        shapes = [(n, s) for n, s in shapes if n in args.layers.split(",")]
     if args.quick:
         shapes = shapes[:4]
     jobs, plan = [], []
     for lname, shape in shapes:
         w = pruned_weight(rng, shape.weight_shape, 0.9)
         for batch in batches:
-            for t in candidates(shape, batch, pointwise, not args.no_split):
+            for t in candidates(shape, batch, pointwise, not args.no_split, wide):
                 key = f"{lname}|{t.describe()}"
                 if key not in {j.name for j in jobs}:
                     jobs.append(LayerJob(key, w, shape, t))

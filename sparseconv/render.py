@@ -121,7 +121,8 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
             PATCH_H=ph, PATCH_W=pw, STAGE_STEPS=stage_steps(shape, tiling),
             ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1)
     else:
-        family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling))
+        family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
+                           R=shape.kernel_h, S=shape.kernel_w)
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),

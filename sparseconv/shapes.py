@@ -136,9 +136,11 @@ class Tiling:
     # warps walking the same instructions (see docs/PERFORMANCE.md).
     min_blocks: int = 1
     # The kernel family (FAMILIES): "direct" stages input patches in shared
-    # memory (any kernel size); "pointwise" (1x1 convs) reads its inputs straight
-    # from global memory, the batch folded into the pixels (tile_w = pixels per
-    # block, thread_w = pixels per thread).
+    # memory; "pointwise" reads its inputs straight from global memory, one
+    # load per (input channel, kernel tap) feeding all the block's output
+    # channels, the batch folded into the pixels (tile_w = pixels per block,
+    # thread_w = pixels per thread). Named for the 1x1 convs it was built for,
+    # it also serves larger kernels on small outputs (default_tiling).
     family: str = "direct"
     # The input-channel reduction split over this many blocks (split-K): each
     # writes partial sums to a workspace, and a second kernel adds them in a
@@ -302,8 +304,8 @@ def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
-    if tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1):
-        raise ValueError(f"the pointwise family serves 1x1 convs only, not {shape.kernel_h}x{shape.kernel_w}")
+    if tiling.family == "pointwise" and shape.kernel_h * shape.kernel_w > 64:
+        raise ValueError(f"the pointwise family serves kernels of at most 64 taps, not {shape.kernel_h}x{shape.kernel_w}")
     if tiling.slices > math.ceil(shape.c_per_group / tiling.c_block):
         raise ValueError(f"tiling {tiling.describe()}: {tiling.slices} slices but only "
                          f"{math.ceil(shape.c_per_group / tiling.c_block)} chunks of input channels")
@@ -360,12 +362,11 @@ def _k_block(shape: ConvShape, k_block: int = 32) -> int:
 
 def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threads: int = 128,
                      min_blocks: int = 1, slices: int = 1) -> Tiling:
-    """A pointwise-family tiling (1x1 convs): k_block output channels x
-    `pixels` pixels per thread, `threads` threads. c_block is the largest the
-    body bound allows, preferring one that divides the input channels (no
-    padded chunk)."""
+    """A pointwise-family tiling: k_block output channels x `pixels` pixels
+    per thread, `threads` threads. c_block is the largest the body bound
+    allows, preferring one that divides the input channels (no padded chunk)."""
     k_block = min(k_block, shape.k_per_group)
-    bound = max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS * 4 // k_block))
+    bound = max(1, min(shape.c_per_group, MAX_BODY_WEIGHTS * 4 // (k_block * shape.kernel_h * shape.kernel_w)))
     c_block = next((d for d in range(bound, bound // 2, -1) if shape.c_per_group % d == 0), bound)
     return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, min_blocks, "pointwise", slices)
 
@@ -387,9 +388,24 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
 
 
+# Outputs per image at or below which a deep conv larger than 1x1 takes the
+# pointwise family (default_tiling), and the most kernel taps it does so for
+# (each tap of each pixel keeps a pointer in registers).
+SMALL_OUTPUT = 14 * 14
+MAX_POINTWISE_TAPS = 9
+
+
 def default_tiling(shape: ConvShape) -> Tiling:
-    """1x1 convs: the pointwise family (default_pointwise_tiling). Other
-    convs: the direct family, below.
+    """1x1 convs: the pointwise family (default_pointwise_tiling). Deep convs
+    with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
+    taps): the pointwise family too, 64 output channels x 1 pixel x 128
+    threads. There the direct family's blocks shrink to one image's outputs
+    (49 threads at 7x7), while the pointwise family folds the batch into its
+    pixels. Measured on the H100 (bench/family_sweep.py --only wide, ResNet-50
+    layers 3-4, 2026-11-23): batch 64, 512-channel 3x3 at 7x7 4.7x faster
+    (882 -> 187 us), strided 14x14 -> 7x7 3.7x, strided 28x28 -> 14x14 1.3x,
+    256-channel at 14x14 even (218 vs 214 us); at 28x28 the direct family
+    stays ahead (156 vs 191 us). Other convs: the direct family, below.
 
     32 output channels per block (16 or 8 when R*S is large), one output per
     thread, 256 threads, registers capped so two blocks fit on an SM. The kernel
@@ -407,6 +423,8 @@ def default_tiling(shape: ConvShape) -> Tiling:
         return default_pointwise_tiling(shape)
     if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
         return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
+    if shape.out_h * shape.out_w <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
+        return pointwise_tiling(shape, 64, 1, 128)
     return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
 
 
@@ -417,7 +435,7 @@ ONE_WAVE, TWO_WAVES = 132, 264
 # direct family, input channels for the pointwise one. Below it the second
 # (reduction) kernel costs more than the split gains (bench/family_sweep.py).
 MIN_SLICE_MACS_DIRECT = 128
-MIN_SLICE_CHANNELS_POINTWISE = 128
+MIN_SLICE_CHANNELS_POINTWISE = 128  # input channels x kernel taps, on larger kernels
 
 
 def blocks_per_image(shape: ConvShape, tiling: Tiling) -> float:
@@ -446,7 +464,7 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
         return None
     chunks = math.ceil(shape.c_per_group / tiling.c_block)
     if tiling.family == "pointwise":
-        most = shape.c_per_group // MIN_SLICE_CHANNELS_POINTWISE
+        most = shape.c_per_group * shape.kernel_h * shape.kernel_w // MIN_SLICE_CHANNELS_POINTWISE
         least = 4  # 2 slices do not pay for the reduction kernel
     else:
         most = shape.c_per_group * shape.kernel_h * shape.kernel_w // MIN_SLICE_MACS_DIRECT
@@ -500,7 +518,9 @@ _POINTWISE_CANDIDATES = ((64, 1, 512), (64, 1, 256), (64, 1, 128), (128, 1, 128)
 def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     """A bounded set of tilings worth measuring (see _CANDIDATES), k_block
     shrunk as in the default for large kernels, at most 64 accumulators per
-    thread. 1x1 convs: pointwise-family tilings (_POINTWISE_CANDIDATES)."""
+    thread. 1x1 convs: pointwise-family tilings (_POINTWISE_CANDIDATES).
+    Larger kernels: the default first, then _CANDIDATES of the direct family,
+    then two of the pointwise family where its tap count allows."""
     out = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         out.append(default_pointwise_tiling(shape))
@@ -509,6 +529,9 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
             if t not in out:
                 out.append(t)
         return out[:limit]
+    out.append(default_tiling(shape))
+    wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256)] \
+        if shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS else []
     for k_block, thread_w, threads, min_blocks in _CANDIDATES:
         k_block = _k_block(shape, k_block)
         if min(k_block, shape.k_per_group) * min(thread_w, shape.out_w) > 64:
@@ -520,4 +543,6 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
             continue
         if t not in out:
             out.append(t)
+    out = out[:max(1, limit - len(wide))]
+    out += [t for t in wide if t not in out]
     return out[:limit]

@@ -28,13 +28,15 @@ instruction and its line)
                 .entry and .func (with return params) definitions, prototypes;
                 .maxntid/.reqntid (checked against the launch); .reg (incl.
                 %r<N> ranges), .param, .shared (module level, function level,
-                .extern dynamic), nested { } scopes, labels, .branchtargets;
+                .extern dynamic), module-level .global arrays without an
+                initializer (zero at launch, as at module load), nested { }
+                scopes, labels, .branchtargets;
                 // and /* */ comments; statements spanning lines.
     operands    registers, %tid/%ntid/%ctaid/%nctaid.{x,y,z}, %laneid, %warpid;
                 integer immediates (dec/hex/octal/binary, negative), 0fXXXXXXXX
                 and 0dXXXXXXXXXXXXXXXX float immediates, decimal floats;
-                shared symbols as values; [reg], [reg+imm], [reg+-imm],
-                [reg-imm], [sym], [sym+imm], [imm]; vectors {a, b, ...} and _.
+                shared and global symbols as values; [reg], [reg+imm],
+                [reg+-imm], [reg-imm], [sym], [sym+imm], [imm]; vectors {a, b, ...} and _.
     memory      ld/st .param .global (.nc and cache hints ignored) .shared and
                 generic, scalar and .v2/.v4, 8-64 bit and f32/f64, dest/source
                 registers wider than the type (ld/st/cvt extension rules);
@@ -122,6 +124,7 @@ STEP_LIMIT = 200_000_000
 _GLOBAL_SPACING_BITS = 28
 _GLOBAL_MAX_BYTES = 1 << 27
 _SHARED_GENERIC_BASE = 0x7F0 << _GLOBAL_SPACING_BITS  # generic address of shared offset 0
+_GLOBAL_SYMBOL_SLOT = 0x400  # address slot of the first module-level .global array
 _INF = 1 << 62
 
 # ------------------------------------------------------------------ types
@@ -363,11 +366,19 @@ class _SharedSym:
         self.offset = 0
 
 
+class _GlobalSym:
+    """A module-level .global array: its own buffer in the fake address space."""
+
+    def __init__(self, name: str, base: int, size: int):
+        self.name, self.base, self.size = name, base, size
+
+
 class _Module:
     def __init__(self, ptx: str, check_call_arguments: bool = True):
         self.check_call_arguments = check_call_arguments
         self.funcs: Dict[str, _Func] = {}
         self.shared: Dict[str, _SharedSym] = {}  # key -> symbol (key = name or func::name)
+        self.globals: Dict[str, _GlobalSym] = {}
         self._parse(_statements(ptx))
         decoders = [_Decoder(self, f) for f in self.funcs.values()]
         for d in decoders:
@@ -413,6 +424,17 @@ class _Module:
         if ".shared" in text.split():
             sym = _parse_shared_decl(text, line, key_prefix="")
             self.shared[sym.key] = sym
+            return
+        if ".global" in text.split():
+            m = _GLOBAL_DECL_RE.match(text)
+            if not m:
+                raise PtxInterpreterError(f"line {line}: unsupported .global declaration (initialised?): {text}")
+            size = _size(m.group("type")) * int(m.group("count"))
+            # slots above every argument's (see _kernel_params)
+            base = ((_GLOBAL_SYMBOL_SLOT + len(self.globals)) << _GLOBAL_SPACING_BITS) + _GLOBAL_MAX_BYTES
+            if size > _GLOBAL_MAX_BYTES:
+                raise PtxInterpreterError(f"line {line}: .global arrays larger than 128 MiB are not supported")
+            self.globals[m.group("name")] = _GlobalSym(m.group("name"), base, size)
             return
         raise PtxInterpreterError(f"line {line}: unsupported module-level directive: {text}")
 
@@ -464,6 +486,9 @@ def _parse_param_list(text: str, line: int) -> List[Tuple[str, str]]:
     return out
 
 
+_GLOBAL_DECL_RE = re.compile(
+    r"^(?:\.(?:visible|weak)\s+)*\.global\s+(?:\.align\s+\d+\s+)?"
+    r"\.(?P<type>\w+)\s+(?P<name>[A-Za-z_$][\w$]*)\s*\[\s*(?P<count>\d+)\s*\]$")
 _SHARED_DECL_RE = re.compile(
     r"^(?P<ext>\.extern\s+)?(?:\.(?:visible|weak)\s+)*\.shared(?:::cta)?\s+(?:\.align\s+(?P<align>\d+)\s+)?"
     r"\.(?P<type>\w+)\s+(?P<name>[A-Za-z_$][\w$]*)(?P<dims>(?:\s*\[\s*\d*\s*\])*)$")
@@ -689,6 +714,12 @@ class _Decoder:
                 raise PtxInterpreterError(f"address of {tok} used as .{t}")
             address = dt.type(sym.offset)  # offset in the shared window
             return lambda fr, m: address
+        gsym = self.mod.globals.get(tok)
+        if gsym is not None:
+            if not _is_int(t) or _size(t) != 8:
+                raise PtxInterpreterError(f"address of .global {tok} used as .{t}")
+            gaddress = dt.type(gsym.base)
+            return lambda fr, m: gaddress
         imm = _immediate(tok, t)
         if imm is None:
             raise PtxInterpreterError(f"unknown operand {tok!r}")
@@ -727,6 +758,8 @@ class _Decoder:
         sym = self._shared_sym(base)
         if sym is not None:
             return None, off + sym.offset
+        if base in self.mod.globals:
+            return None, off + self.mod.globals[base].base
         rt = self.f.reg_type(base)
         if rt is None:
             raise PtxInterpreterError(f"unknown address base {base!r} in {tok}")
@@ -1556,6 +1589,9 @@ class _Launch:
             self.special["%nctaid." + d] = np.full(T, g, np.uint32)
         self.buffers: Dict[int, _Buffer] = {}
         self.params = self._kernel_params(args)
+        for g in mod.globals.values():  # zero, as at module load
+            self.buffers[g.base >> _GLOBAL_SPACING_BITS] = _Buffer(f".global {g.name}", g.base, np.zeros(g.size, np.uint8),
+                                                                   g.size)
         size = mod.dynamic_base + dyn_shared
         self.shared_u8 = np.empty(max(16, -(-size // 16) * 16), np.uint8)
         self.shared = _Buffer("shared memory", 0, self.shared_u8, size)

@@ -22,6 +22,20 @@ def test_1x1_convs_get_the_pointwise_family_by_depth():
     assert default_tiling(ConvShape(64, 64, 56, 56, 3, 3, padding=(1, 1))).family == "direct"
 
 
+def test_deep_convs_with_small_outputs_get_the_pointwise_family():
+    """ResNet-50's layer3/layer4 3x3 convs (outputs of 14x14 and 7x7) take the
+    pointwise family; 28x28 outputs, shallow layers and large kernels stay direct."""
+    for shape in (ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)), ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
+                  ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1))):
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 64, 128, 4)
+        split = split_tiling(shape, t)
+        assert split is not None and split.slices >= 16     # batch 1: the reduction split to fill the GPU
+    for shape in (ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
+                  ConvShape(64, 64, 14, 14, 5, 5, (1, 1), (2, 2))):
+        assert default_tiling(shape).family == "direct"
+
+
 def test_pointwise_tilings_prefer_a_c_block_that_divides_the_channels():
     assert pointwise_tiling(ConvShape(1024, 256, 14, 14, 1, 1), 64).c_block == 32
     t = pointwise_tiling(ConvShape(37, 19, 11, 13, 1, 1), 64)
@@ -36,8 +50,9 @@ def test_tiling_records_refuse_what_no_template_serves():
         Tiling(8, 4, 2, 32, family="pointwise")
     with pytest.raises(ValueError, match="slices must be a positive int"):
         Tiling(8, 4, 1, 32, slices=0)
-    with pytest.raises(ValueError, match="1x1 convs only"):
-        check_tiling(ConvShape(8, 8, 9, 9, 3, 3), Tiling(8, 4, 1, 32, family="pointwise"))
+    with pytest.raises(ValueError, match="at most 64 taps"):
+        check_tiling(ConvShape(8, 8, 19, 19, 9, 9), Tiling(8, 1, 1, 32, family="pointwise"))
+    check_tiling(ConvShape(8, 8, 9, 9, 3, 3), Tiling(8, 4, 1, 32, family="pointwise"))  # larger kernels: served
     with pytest.raises(ValueError, match="slices but only"):
         check_tiling(ConvShape(8, 8, 9, 9, 1, 1), Tiling(8, 4, 1, 32, family="pointwise", slices=3))
 

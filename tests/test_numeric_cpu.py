@@ -223,6 +223,14 @@ FAMILY_LAYERS = {
     "pw_empty_last_slice": (ConvShape(5, 4, 3, 3, 1, 1), _pointwise(4, 1, 1, 32, 4), Epilogue()),
     "direct_empty_last_slice": (ConvShape(5, 4, 5, 5, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 5, 5, 1, 1, slices=4),
                                 Epilogue()),
+    # the pointwise family on kernels wider than 1x1: one load per (channel,
+    # tap), zero padding as a per-tap mask, stride, dilation, groups, a split
+    "pw3x3_padding": (ConvShape(5, 8, 6, 7, 3, 3, (1, 1), (1, 1)), _pointwise(8, 2, 1, 32), Epilogue("relu")),
+    "pw3x3_stride2_split": (ConvShape(6, 4, 9, 8, 3, 3, (2, 2), (1, 1)), _pointwise(4, 2, 2, 32, 2), Epilogue()),
+    "pw3x3_dilation_groups": (ConvShape(4, 6, 8, 8, 3, 3, (1, 1), (2, 2), (2, 2), groups=2), _pointwise(3, 1, 1, 32),
+                              Epilogue("relu6", residual=True)),
+    "pw5x3_nopad": (ConvShape(3, 4, 7, 6, 5, 3), _pointwise(4, 3, 1, 32), Epilogue()),
+    "pw7x7_stride2_pad3": (ConvShape(3, 4, 11, 10, 7, 7, (2, 2), (3, 3)), _pointwise(4, 1, 1, 32), Epilogue()),
     # the direct family with a split reduction and epilogues
     "direct_split": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1, slices=2), Epilogue()),
     "direct_split_uneven_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 6, 1, 2, slices=2),
