@@ -11,7 +11,7 @@ pytest.importorskip("onnxruntime")
 from onnx_toys import EXPECTED, NOTES, onnxruntime_all, toy, toy_input  # noqa: E402
 from sparseconv.dense import fold_batchnorm  # noqa: E402
 from sparseconv.onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program  # noqa: E402
-from sparseconv.runner import load_program, run_reference  # noqa: E402
+from sparseconv.runner import execute, load_program, run_reference  # noqa: E402
 from sparseconv.testing import relative_l2  # noqa: E402
 
 
@@ -133,3 +133,38 @@ def test_fusion_on_torch_exports_matches_onnxruntime(tmp_path, family):
     (got,), (unfused,) = run_reference(fused, x), run_reference(original, x)
     assert relative_l2(got, onnxruntime_outputs(path, x)) <= 1e-5
     assert relative_l2(got, unfused) <= 1e-6
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", ["resnet_shortcut", "clip"])
+def test_fused_kernels_in_the_ptx_interpreter_give_the_model_as_written(tmp_path, name):
+    """The fused program run as the GPU runs it, on the CPU: each fused Conv
+    a specialised kernel with its epilogue (residual add, clamp at the
+    store), interpreted; the other nodes in float32 NumPy. It must match the
+    float64 reference of the unfused graph (what `--check` compares with)."""
+    from ptx_interpreter import run_kernel
+    from sparseconv.build import build_conv2d
+    from sparseconv.cache import ArtifactCache
+
+    path = toy(name, tmp_path)
+    fused = fuse_program(load_program(path))
+    cache = ArtifactCache(tmp_path / "cache")
+
+    def conv(layer, inp, residual=None):
+        built = build_conv2d(layer.weight, layer.shape, cache=cache, name=layer.name, epilogue=layer.epilogue)
+        assert built.tiling.slices == 1  # split variants add their slices outside the kernel
+        s, n = layer.shape, inp.shape[0]
+        y = np.full((n, s.out_channels, s.out_h, s.out_w), np.nan, np.float32)
+        bias = layer.bias if layer.bias is not None else np.zeros(s.out_channels, np.float32)
+        res = 0 if residual is None else np.ascontiguousarray(residual, np.float32)
+        run_kernel(cache.get_text("kernel", built.ptx_sha256, ".ptx"), built.entry, grid=built.grid(n),
+                   block=(built.tiling.threads, 1, 1),
+                   args=[np.ascontiguousarray(inp, np.float32), y, bias, res, n, built.chunks],
+                   dynamic_shared_bytes=built.shared_bytes)
+        return y
+
+    x = toy_input(2)
+    (y,) = execute(fused, x, np, conv, np.float32)
+    (ref,) = run_reference(load_program(path), x)
+    assert not np.isnan(y).any()
+    assert relative_l2(y, ref) <= 1e-5
