@@ -168,3 +168,18 @@ def test_fused_kernels_in_the_ptx_interpreter_give_the_model_as_written(tmp_path
     (ref,) = run_reference(load_program(path), x)
     assert not np.isnan(y).any()
     assert relative_l2(y, ref) <= 1e-5
+
+
+def test_inspect_says_what_run_folds_and_fuses(tmp_path):
+    from click.testing import CliRunner
+    from sparseconv.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(toy("resnet_shortcut", tmp_path))])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert [line.split()[-1] for line in lines[2:6]] == ["compile"] * 4  # compile builds the layers as written
+    assert lines[6] == ("sparseconv run: 4 BatchNormalization folded, 2 residual adds and 3 activations fused "
+                        "into the conv kernels (4 of 4 convs)")
+    assert lines[7:] == ["  c1: bn+relu", "  c2: bn+add+relu", "  down: bn", "  c3: bn+add+relu"]
+    r = CliRunner().invoke(main, ["inspect", str(toy("conv_is_output", tmp_path))])
+    assert "  c1: nothing (not relu1: c1 is a graph output)" in r.output.splitlines()
