@@ -183,3 +183,29 @@ def test_inspect_says_what_run_folds_and_fuses(tmp_path):
     assert lines[7:] == ["  c1: bn+relu", "  c2: bn+add+relu", "  down: bn", "  c3: bn+add+relu"]
     r = CliRunner().invoke(main, ["inspect", str(toy("conv_is_output", tmp_path))])
     assert "  c1: nothing (not relu1: c1 is a graph output)" in r.output.splitlines()
+
+
+def test_resnet50_export_fuses_every_bn_add_and_relu(tmp_path):
+    """The whole pruned ResNet-50 (BN kept by the exporter): 53 convs, each
+    with its BN folded; 16 residual adds and 49 ReLUs fused; only the stem's
+    MaxPool, the head and nothing else left beside the convs."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from sparseconv.zoo_torch import build_network
+
+    path = tmp_path / "r50.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(build_network("resnet50").eval(), (torch.zeros(1, 3, 32, 32),), str(path), dynamo=False,
+                          opset_version=17, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "N"}, "y": {0: "N"}}, do_constant_folding=False)
+    original = load_program(path)
+    assert sum(n.op == "BatchNormalization" for n in original.nodes) == 53
+    fused = fuse_program(original)
+    parts = [p for layer in fused.convs.values() for p in layer.fused]
+    assert (parts.count("bn"), parts.count("add"), parts.count("relu")) == (53, 16, 49)
+    assert sorted({n.op for n in fused.nodes}) == ["Conv", "Flatten", "Gemm", "GlobalAveragePool", "MaxPool"]
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    (got,), (unfused,) = run_reference(fused, x), run_reference(original, x)
+    assert relative_l2(got, unfused) <= 1e-6
