@@ -209,3 +209,44 @@ def test_resnet50_export_fuses_every_bn_add_and_relu(tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
     (got,), (unfused,) = run_reference(fused, x), run_reference(original, x)
     assert relative_l2(got, unfused) <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["clip_attrs_opset10", "clip_bound_from_the_input", "bn_training_outputs"])
+def test_clip_attributes_fuse_and_run_time_bounds_do_not(tmp_path, case):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from sparseconv.testing import pruned_weight
+
+    rng = np.random.default_rng(7)
+    inits = {"w": pruned_weight(rng, (4, 4, 3, 3), 0.6), "zero": np.array(0.0, np.float32)}
+    conv = helper.make_node("Conv", ["x", "w"], ["c"], name="c", pads=[1, 1, 1, 1])
+    opset = 17
+    if case == "clip_attrs_opset10":   # before opset 11 the bounds were attributes
+        opset, inits = 10, {"w": inits["w"]}
+        nodes = [conv, helper.make_node("Clip", ["c"], ["out"], name="clip", min=0.0, max=6.0)]
+        want, note = ("relu6",), ""
+    elif case == "clip_bound_from_the_input":
+        nodes = [conv, helper.make_node("ReduceMax", ["x"], ["m"], name="rmax", keepdims=0),
+                 helper.make_node("Clip", ["c", "zero", "m"], ["out"], name="clip")]
+        want, note = (), "not clip: its bounds are computed at run time"
+    else:                              # a training-mode BatchNormalization also writes its running statistics
+        for k in ("s", "b", "m", "v"):
+            inits[k] = (rng.random(4) + 0.5).astype(np.float32)
+        nodes = [conv, helper.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["out", "rm", "rv"],
+                                        name="bn", training_mode=1)]
+        want, note = (), "bn not folded: it runs in training mode"
+    graph = helper.make_graph(nodes, case, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6, 6])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    path = tmp_path / f"{case}.onnx"
+    onnx.save(model, str(path))
+    original = load_program(path)
+    fused = fuse_program(original)
+    assert fused.convs["c"].fused == want and fused.convs["c"].note == note
+    if case != "bn_training_outputs":  # the runner evaluates BN in inference form either way
+        x = toy_input(2)[:, :, :6, :6].copy()
+        (got,), (ref,) = run_reference(fused, x), run_reference(original, x)
+        assert relative_l2(got, onnxruntime_all(path, x)[0]) <= 1e-5 and relative_l2(got, ref) <= 1e-6
