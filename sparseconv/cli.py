@@ -28,6 +28,7 @@ from .cli_options import (cache_dir_option, check_output_file, format_option, in
 from .compile import CompileError, ToolNotFoundError
 from .limits import MAX_INDEX, check_layer
 from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why
+from .onnx_fuse import fuse_program, fusion_lines
 from .parallel import LayerJob, build_many
 from .runner import compile_model, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
@@ -210,6 +211,14 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
                 action = "refused: " + str(exc).split(": ", 1)[-1]
         click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
                    f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")
+    if m.format == "onnx":  # what `sparseconv run` folds and fuses (compile builds the layers as they are)
+        try:
+            program = load_program(model, parse_size(input_size, "--input-size") if input_size else None)
+        except ModelError as exc:
+            click.echo(f"sparseconv run: cannot run this graph ({str(exc).split(': ', 1)[-1]})")
+        else:
+            for line in fusion_lines(fuse_program(program).convs):
+                click.echo(line if line.startswith(" ") else f"sparseconv run: {line}")
 
 
 @main.command()
@@ -353,7 +362,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         summary["run_s"] = round(time.perf_counter() - t, 4)
         summary["conv_layers"] = len(sparse.kernels)
         summary["layers"] = {name: {"backend": k.backend, "tiling": k.stats["tiling"],
-                                    "tuning": k.stats.get("tuning")} for name, k in sparse.kernels.items()}
+                                    "tuning": k.stats.get("tuning"),
+                                    "fused": list(getattr(sparse.program.convs[name], "fused", ()))}
+                             for name, k in sparse.kernels.items()}
     summary["output_shape"] = list(y.shape)
     if labels is not None and y.ndim == 2:
         summary["accuracy"] = float(np.mean(y.argmax(1) == labels))
@@ -372,6 +383,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
     click.echo(f"{model.name}: {len(x)} inputs through {backend}"
                + (f" ({summary['conv_layers']} conv layers compiled; compile+load "
                   f"{summary['compile_s']:.2f} s, run {summary['run_s']:.3f} s)" if backend != "reference" else ""))
+    if backend != "reference":
+        for line in fusion_lines(sparse.program.convs)[:1]:  # the totals; per conv in --json and SparseModel.plan
+            click.echo(line)
     if backend == "auto" or autotune:
         for name, info in summary["layers"].items():
             times = info["tuning"]["times_us"]

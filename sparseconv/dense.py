@@ -5,15 +5,17 @@
   benchmark's baselines.
 * dense_conv2d: cuDNN through torch in strict fp32 (TF32 off), the path
   backend="auto" falls back to.
+* fold_batchnorm / epilogue_reference: the numbers of BN folding and of a
+  fused epilogue, shared by the torch.fx and the ONNX front ends.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from .shapes import ConvShape
+from .shapes import ConvShape, Epilogue
 
 
 def im2col(x: Any, shape: ConvShape, xp: Any = np) -> Any:
@@ -52,6 +54,29 @@ def conv2d_im2col(x: Any, w: Any, shape: ConvShape, bias: Any = None, xp: Any = 
     if bias is not None:
         y = y + xp.asarray(bias, dtype=xp.float64)[None, :, None, None]
     return y
+
+
+def fold_batchnorm(weight: np.ndarray, bias: Optional[np.ndarray], gamma: np.ndarray, beta: np.ndarray,
+                   mean: np.ndarray, var: np.ndarray, eps: float) -> Tuple[np.ndarray, np.ndarray]:
+    """A conv's weight (K, ...) and bias (K,) or None with an eval-mode
+    BatchNorm after it folded in, in float64: w' = w * s per output channel,
+    b' = (b - mean) * s + beta, s = gamma / sqrt(var + eps). A zero weight
+    stays zero (the sparsity is unchanged) unless s is not finite: callers
+    check the result is finite."""
+    var64 = np.asarray(var, np.float64)
+    scale = np.asarray(gamma, np.float64) / np.sqrt(var64 + float(eps))
+    w = np.asarray(weight, np.float64) * scale.reshape((-1,) + (1,) * (np.ndim(weight) - 1))
+    b = np.zeros_like(var64) if bias is None else np.asarray(bias, np.float64)
+    return w, (b - np.asarray(mean, np.float64)) * scale + np.asarray(beta, np.float64)
+
+
+def epilogue_reference(y: Any, epilogue: Epilogue, residual: Any = None) -> Any:
+    """What a kernel's fused epilogue does after conv + bias, in y's dtype:
+    add the residual, then clamp (ReLU, ReLU6, clip)."""
+    if residual is not None:
+        y = y + residual
+    lo, hi = epilogue.bounds
+    return y if lo is None and hi is None else np.clip(y, lo, hi)
 
 
 @contextlib.contextmanager

@@ -17,11 +17,12 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .dense import torch_flags
+from .dense import fold_batchnorm as fold_arrays, torch_flags
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -269,16 +270,17 @@ def fold_batchnorm(weight: torch.Tensor, bias: Optional[torch.Tensor],
                    bn: nn.BatchNorm2d) -> Tuple[torch.Tensor, torch.Tensor]:
     """Conv weight/bias with an eval-mode BatchNorm2d after it folded in:
     w' = w * gamma / sqrt(var + eps) per output channel, b' = (b - mean) * scale + beta.
-    Computed in float64, returned in the weight's dtype; a zero weight stays zero."""
-    dtype = weight.dtype
-    var = bn.running_var.detach().double()
-    mean = bn.running_mean.detach().double()
-    gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(var)
-    beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(var)
-    scale = gamma / torch.sqrt(var + bn.eps)
-    w = weight.detach().double() * scale.reshape(-1, 1, 1, 1)
-    b = bias.detach().double() if bias is not None else torch.zeros_like(mean)
-    return w.to(dtype), ((b - mean) * scale + beta).to(dtype)
+    Computed in float64 (dense.fold_batchnorm, the ONNX front end's too),
+    returned in the weight's dtype and device; a zero weight stays zero."""
+    def host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+        return None if t is None else t.detach().cpu().double().numpy()
+
+    var = host(bn.running_var)
+    gamma = host(bn.weight) if bn.weight is not None else np.ones_like(var)
+    beta = host(bn.bias) if bn.bias is not None else np.zeros_like(var)
+    w, b = fold_arrays(host(weight), host(bias), gamma, beta, host(bn.running_mean), var, bn.eps)
+    return (torch.from_numpy(w).to(weight.device, weight.dtype),
+            torch.from_numpy(b).to(weight.device, weight.dtype))
 
 
 def _activation(node: fx.Node, modules: Dict[str, nn.Module]) -> Optional[Tuple[str, Optional[Tuple[float, float]]]]:

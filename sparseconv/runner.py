@@ -8,25 +8,29 @@ operators in `OPS` are supported: enough for LeNet/VGG/ResNet, MobileNetV2/V3
 and UNet/FPN-style exports. Anything else is refused when the model is
 loaded, naming the node, before any compile starts. Constant nodes and static
 subgraphs never reach the runner: model.read_onnx folds them.
+compile_model folds BatchNormalization into the convs and fuses Conv ->
+(BN) -> (Add) -> (Relu/Clip) chains into single kernels (onnx_fuse.py);
+load_program gives the graph as written, which `--check` evaluates.
 
     model = compile_model("models/lenet_digits_pruned.onnx")   # SparseModel
     logits = model(x)                       # x: CuPy or NumPy (N, 1, 8, 8) float32
-    ref = run_reference(model.program, x)   # float64 NumPy, dense convs
+    ref = run_reference(load_program("models/lenet_digits_pruned.onnx"), x)  # float64 NumPy, dense convs
 """
 from __future__ import annotations
 
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import onnx_ops as ops
-from .dense import conv2d_im2col
+from .dense import conv2d_im2col, epilogue_reference
 from .api import compile_layers
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
+from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,20 @@ class OnnxProgram:
     input_name: str
     input_shape: Tuple[Optional[int], ...]  # None where the graph leaves a dimension free
     output_names: Tuple[str, ...]
-    convs: Dict[str, ConvLayer]  # node name -> layer
+    convs: Dict[str, ConvLayer]  # node name -> layer (a FusedConv in a fused program)
+    shapes: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)  # value -> inferred dims (int, name or None)
 
     def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
-        """One line per conv-like node: how it runs. backends: Conv name ->
-        the compiled kernel's backend (default: 'sparseconv')."""
+        """One line per conv-like node: how it runs, and what was fused into
+        it. backends: Conv name -> the compiled kernel's backend (default:
+        'sparseconv')."""
         lines = []
         for node in self.nodes:
             if node.op == "Conv":
-                s = self.convs[node.name].shape
-                lines.append(f"{node.name}: Conv {s.describe()}, {(backends or {}).get(node.name, 'sparseconv')}")
+                layer = self.convs[node.name]
+                fused = layer.describe_fusion() if isinstance(layer, FusedConv) else ""
+                lines.append(f"{node.name}: Conv {layer.shape.describe()}{fused}, "
+                             f"{(backends or {}).get(node.name, 'sparseconv')}")
             elif node.op == "ConvTranspose":
                 lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
         return lines
@@ -274,21 +282,23 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
             raise ModelError(f"{path}: node {name}: pooling auto_pad is not supported; export with explicit pads")
         nodes.append(Node(nd.op_type, name, tuple(nd.input), tuple(nd.output), attrs))
     return OnnxProgram(path, tuple(nodes), constants, inputs[0].name, tuple(dims),
-                       tuple(o.name for o in graph.output), convs)
+                       tuple(o.name for o in graph.output), convs, value_shapes(graph))
 
 
 # --------------------------------------------------------------------------- execution
 
-def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, Any], Any],
+def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
             dtype: Any) -> List[Any]:
-    """Run the graph on input x with array module xp; conv(layer, x) computes each Conv."""
+    """Run the graph on input x with array module xp; conv(layer, x) computes
+    each Conv, conv(layer, x, residual) a fused one that adds a residual."""
     values: Dict[str, Any] = {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" else a
                               for name, a in program.constants.items()}
     values[program.input_name] = xp.asarray(x, dtype=dtype)
     for node in program.nodes:
         try:
             if node.op == "Conv":
-                out = conv(program.convs[node.name], values[node.inputs[0]])
+                residual = [values[i] for i in node.inputs[RESIDUAL_INPUT:]]  # fused by onnx_fuse
+                out = conv(program.convs[node.name], values[node.inputs[0]], *residual)
             else:
                 args = [values[i] if i else None for i in node.inputs]
                 out = OPS[node.op](xp, node, *args)
@@ -302,28 +312,35 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, An
     return [values[name] for name in program.output_names]
 
 
-def conv2d_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
-    """Dense float64 convolution of one layer (the reference)."""
-    return np.ascontiguousarray(conv2d_im2col(x, layer.weight, layer.shape, layer.bias))
+def conv2d_dense(layer: ConvLayer, x: np.ndarray, residual: Optional[np.ndarray] = None) -> np.ndarray:
+    """Dense float64 convolution of one layer (the reference), with its
+    epilogue when it is a FusedConv."""
+    y = conv2d_im2col(x, layer.weight, layer.shape, layer.bias)
+    if isinstance(layer, FusedConv):
+        y = epilogue_reference(y, layer.epilogue, residual)
+    return np.ascontiguousarray(y)
 
 
 def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
-    """The dense reference: the whole graph in float64 NumPy on the CPU."""
+    """The dense reference: the whole graph in float64 NumPy on the CPU (for
+    `--check`, the program load_program gives: the model as written)."""
     x = x.get() if hasattr(x, "get") else np.asarray(x)
     return execute(program, x, np, conv2d_dense, np.float64)
 
 
 class SparseModel:
-    """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy."""
+    """A pruned ONNX model on the GPU: each Conv a specialised kernel (with
+    its fused epilogue, if `program` is fused), the rest CuPy."""
 
     def __init__(self, program: OnnxProgram, kernels: Dict[str, Any]) -> None:
         self.program = program
         self.kernels = kernels  # layer name -> Conv2dKernel
 
-    def _conv(self, layer: ConvLayer, x: Any) -> Any:
+    def _conv(self, layer: ConvLayer, x: Any, residual: Any = None) -> Any:
         import cupy
 
-        return self.kernels[layer.name](cupy.ascontiguousarray(x))
+        extra = {} if residual is None else {"residual": cupy.ascontiguousarray(residual)}
+        return self.kernels[layer.name](cupy.ascontiguousarray(x), **extra)
 
     def run(self, x: Any) -> List[Any]:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
@@ -342,14 +359,20 @@ class SparseModel:
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
                   jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
-                  backend: str = "sparseconv", tune_batch: int = 64) -> SparseModel:
+                  backend: str = "sparseconv", tune_batch: int = 64, fuse: bool = True) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
-    sparseconv.tune); each kernel's .backend says which path it took."""
+    sparseconv.tune); each kernel's .backend says which path it took.
+    fuse: fold BatchNormalization into the convs and fuse residual adds and
+    Relu/Clip into their kernels (onnx_fuse.py); the model's .plan says what
+    was fused per conv, and .program is the fused program."""
     program = load_program(path, input_size)
+    if fuse:
+        program = fuse_program(program)
+    epilogues = {n: layer.epilogue for n, layer in program.convs.items() if isinstance(layer, FusedConv)}
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                             jobs=jobs, progress=progress)
+                             jobs=jobs, progress=progress, epilogues=epilogues)
     return SparseModel(program, kernels)
 
 
