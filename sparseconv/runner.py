@@ -279,11 +279,57 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
 
 # --------------------------------------------------------------------------- execution
 
+# Inputs an operator reads on the host (shape values, bounds, scales, fill
+# values), by position; and a Conv's weight and bias, which its kernel holds.
+# A float constant used only here stays NumPy: reading it never waits for the
+# GPU (a CUDA-graph capture forbids that) and nothing is uploaded for it.
+HOST_INPUTS: Dict[str, Tuple[int, ...]] = {
+    "Conv": (1, 2), "Reshape": (1,), "Clip": (1, 2), "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 2, 3),
+    "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,), "ReduceMean": (1,), "ReduceSum": (1,),
+    "ReduceMax": (1,), "Split": (1,), "Gather": (1,),
+}
+
+
+def prepare_constants(program: OnnxProgram, xp: Any, dtype: Any) -> Dict[str, Any]:
+    """The graph's constants for runs with array module xp, converted once:
+    a float tensor some operator computes with becomes an xp array of `dtype`
+    (on the GPU for CuPy); shape values, indices and the inputs in HOST_INPUTS
+    stay NumPy on the host."""
+    device_uses = {name for node in program.nodes for i, name in enumerate(node.inputs)
+                   if name and i not in HOST_INPUTS.get(node.op, ())}
+    return {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" and name in device_uses else a
+            for name, a in program.constants.items()}
+
+
+class UploadOnce:
+    """CuPy, except that asarray() of a host NumPy array uploads each distinct
+    one once (kept by content): Gather indices, Resize tables, shape values
+    meeting a tensor. The first run of an input shape uploads them; later runs,
+    and the CUDA-graph capture of that shape (which may not copy from the host),
+    find them on the device. Never pass it the graph's input: that would be kept."""
+
+    def __init__(self, xp: Any) -> None:
+        self._xp = xp
+        self._uploaded: Dict[Tuple[Any, ...], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xp, name)
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        if not isinstance(a, np.ndarray):
+            return self._xp.asarray(a, dtype=dtype)
+        key = (a.dtype.str, a.shape, None if dtype is None else np.dtype(dtype).str, a.tobytes())
+        if key not in self._uploaded:
+            self._uploaded[key] = self._xp.asarray(a, dtype=dtype)
+        return self._uploaded[key]
+
+
 def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, Any], Any],
-            dtype: Any) -> List[Any]:
-    """Run the graph on input x with array module xp; conv(layer, x) computes each Conv."""
-    values: Dict[str, Any] = {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" else a
-                              for name, a in program.constants.items()}
+            dtype: Any, constants: Optional[Dict[str, Any]] = None) -> List[Any]:
+    """Run the graph on input x with array module xp; conv(layer, x) computes each Conv.
+    constants: prepare_constants(program, xp, dtype), made once by the caller
+    (SparseModel keeps its own on the GPU); None converts them for this call."""
+    values: Dict[str, Any] = dict(prepare_constants(program, xp, dtype) if constants is None else constants)
     values[program.input_name] = xp.asarray(x, dtype=dtype)
     for node in program.nodes:
         try:
@@ -319,6 +365,8 @@ class SparseModel:
     def __init__(self, program: OnnxProgram, kernels: Dict[str, Any]) -> None:
         self.program = program
         self.kernels = kernels  # layer name -> Conv2dKernel
+        self._constants: Optional[Dict[str, Any]] = None  # on the GPU after the first call
+        self._xp: Any = None
 
     def _conv(self, layer: ConvLayer, x: Any) -> Any:
         import cupy
@@ -326,10 +374,15 @@ class SparseModel:
         return self.kernels[layer.name](cupy.ascontiguousarray(x))
 
     def run(self, x: Any) -> List[Any]:
-        """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
+        """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream).
+        The graph's constants are uploaded on the first call only."""
         import cupy
 
-        return execute(self.program, x, cupy, self._conv, cupy.float32)
+        if self._constants is None:
+            self._constants = prepare_constants(self.program, cupy, cupy.float32)
+            self._xp = UploadOnce(cupy)
+        x = cupy.asarray(x, dtype=cupy.float32)  # the input: uploaded here, never kept by UploadOnce
+        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants)
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
