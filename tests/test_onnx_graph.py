@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sparseconv.routing import choose_route
+from sparseconv.shapes import ANY_BATCH
 from sparseconv.testing import pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")
@@ -106,3 +108,16 @@ def test_upload_once_keeps_one_copy_per_content():
     assert xp.asarray(np.array([2, 0, 2], np.int64), dtype=np.float64) is not first
     assert xp.asarray(idx) is not first  # another dtype asked: another copy
     assert xp.float32 is np.float32  # everything else is the wrapped module's
+
+
+def test_choose_route_sends_each_batch_to_the_faster_path():
+    times = {1: (5.0, 7.25), 64: (90.0, 40.0)}
+    choice = choose_route(lambda b: times[b], [64, 1, 64])
+    assert choice.route == ((8, "sparseconv"), (ANY_BATCH, "dense"))
+    assert (choice.path(1), choice.path(8), choice.path(9), choice.path(1000)) == \
+        ("sparseconv", "sparseconv", "dense", "dense")
+    assert choice.action == "mixed" and choice.describe_route() == "<=8: sparseconv, else dense"
+    assert choice.describe() == ("batch 1: sparseconv 5.0 us, cuDNN fp32 7.2 us; "
+                                 "batch 64: sparseconv 90.0 us, cuDNN fp32 40.0 us")
+    tie = choose_route(lambda b: (3.0, 3.0), [1])
+    assert tie.route == ((ANY_BATCH, "sparseconv"),) and tie.action == "sparseconv"
