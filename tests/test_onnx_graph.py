@@ -3,19 +3,25 @@ checked without a GPU: constants converted once (not per call), float
 parameters read on the host kept on the host, host tables uploaded once, the
 route chosen from measured times, the plan's text, the CLI's options and
 errors. The graph replays and the timing itself: tests/test_gpu_onnx_graph.py."""
+import json
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
-from sparseconv.routing import choose_route
+from sparseconv.cli import main
+from sparseconv.routing import RouteChoice, choose_route
 from sparseconv.shapes import ANY_BATCH
 from sparseconv.testing import pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from sparseconv.runner import UploadOnce, conv2d_dense, execute, load_program, prepare_constants  # noqa: E402
+from sparseconv.runner import (SparseModel, UploadOnce, execute, compile_model, conv2d_dense,  # noqa: E402
+                               load_program, prepare_constants, route_kernels)
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 LENET = MODELS / "lenet_digits_pruned.onnx"
@@ -121,3 +127,64 @@ def test_choose_route_sends_each_batch_to_the_faster_path():
                                  "batch 64: sparseconv 90.0 us, cuDNN fp32 40.0 us")
     tie = choose_route(lambda b: (3.0, 3.0), [1])
     assert tie.route == ((ANY_BATCH, "sparseconv"),) and tie.action == "sparseconv"
+
+
+@pytest.mark.parametrize("bad", [[0], [1.5], "64", [True], 64])
+def test_compile_model_refuses_bad_route_batches_before_any_work(bad):
+    with pytest.raises(ValueError, match="compile_model: route_batches must be positive batch sizes"):
+        compile_model(Path("no-such-file.onnx"), route_batches=bad)
+
+
+def test_without_torch_every_conv_keeps_its_kernel_and_the_plan_says_so(monkeypatch):
+    program = load_program(LENET)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    routes, dense, note = route_kernels(program, {}, [1, 64])
+    assert routes == {} and dense == {} and "torch with CUDA is not installed" in note
+    # Stand-ins for the loaded kernels (the real ones need a GPU): the plan reads .backend only.
+    kernels = {name: SimpleNamespace(backend="sparseconv") for name in program.convs}
+    plan = SparseModel(program, kernels, route_note=note).plan
+    assert plan == [f"{name}: Conv {layer.shape.describe()}, sparseconv" for name, layer in program.convs.items()] \
+        + [f"routing: {note}"]
+
+
+def test_the_call_picks_the_routed_path_by_batch_and_the_plan_shows_the_times():
+    program = load_program(LENET)
+    first, second = program.convs
+    kernels = {name: SimpleNamespace(backend="sparseconv") for name in program.convs}
+    cudnn = SimpleNamespace(backend="dense")
+    mixed = RouteChoice(((8, "sparseconv"), (ANY_BATCH, "dense")), ((1, 5.0, 7.0), (64, 90.0, 40.0)))
+    kept = RouteChoice(((ANY_BATCH, "sparseconv"),), ((1, 2.0, 6.0), (64, 9.0, 12.0)), note="a note")
+    model = SparseModel(program, kernels, routes={first: mixed, second: kept}, dense={first: cudnn})
+    assert model.kernel(first, 1) is kernels[first] and model.kernel(first, 8) is kernels[first]
+    assert model.kernel(first, 9) is cudnn and model.kernel(first, 64) is cudnn
+    assert model.kernel(second, 64) is kernels[second]
+    assert model.plan == [
+        f"{first}: Conv {program.convs[first].shape.describe()}, mixed (<=8: sparseconv, else dense; batch 1: "
+        "sparseconv 5.0 us, cuDNN fp32 7.0 us; batch 64: sparseconv 90.0 us, cuDNN fp32 40.0 us)",
+        f"{second}: Conv {program.convs[second].shape.describe()}, sparseconv at every batch size (batch 1: "
+        "sparseconv 2.0 us, cuDNN fp32 6.0 us; batch 64: sparseconv 9.0 us, cuDNN fp32 12.0 us (a note))",
+    ]
+
+
+def test_run_has_the_routing_and_graph_options():
+    r = CliRunner().invoke(main, ["run", "--help"])
+    assert r.exit_code == 0
+    for option in ("--route / --no-route", "--route-batch", "--cuda-graph"):
+        assert option in r.output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--route-batch", "0"], "--route-batch"),
+    (["--cuda-graph"], "--cuda-graph replays GPU work"),
+])
+def test_run_refuses_bad_routing_and_graph_options_with_exit_2(extra, message):
+    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--backend", "reference"] + extra)
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+
+
+def test_run_reference_ignores_routing_options():
+    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--backend", "reference", "--json",
+                                  "--no-route", "--route-batch", "4"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["images"] == 450
