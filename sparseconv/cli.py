@@ -24,12 +24,13 @@ from .bundle import BundleError, check_output_dir, check_writable_folder, specia
 from .cache import ArtifactCache, CacheError
 from .cli_options import (cache_dir_option, check_output_file, format_option, input_size_option, jobs_option,
                           json_option, layers_option, load_model_or_exit, min_sparsity_option, model_argument,
-                          parse_size, spec_option, target_option)
+                          parse_size, route_batch_option, route_option, spec_option, target_option)
 from .compile import CompileError, ToolNotFoundError
 from .limits import MAX_INDEX, check_layer
 from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why
 from .onnx_fuse import fuse_program, fusion_lines
 from .parallel import LayerJob, build_many
+from .routing import RouteChoice
 from .runner import compile_model, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
 
@@ -296,6 +297,11 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
               show_default=True, help="auto: per layer, cuDNN strict fp32 where it measured faster (needs torch); "
               "reference: the dense float64 model on the CPU, no GPU needed.")
 @click.option("--autotune", is_flag=True, help="Choose each layer's tiling by timing candidates (cached).")
+@route_option
+@route_batch_option
+@click.option("--cuda-graph", is_flag=True, help="Capture the forward once per batch shape as a CUDA graph and "
+              "replay it (fewer launch gaps; a shape that cannot be captured runs eagerly, and the output says "
+              "why).")
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
@@ -303,8 +309,9 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @cache_dir_option
 @json_option
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
-        batch_size: int, backend: str, autotune: bool, check: bool, output: Optional[Path], jobs: Optional[int],
-        cache_dir: Optional[Path], as_json: bool) -> None:
+        batch_size: int, backend: str, autotune: bool, route: bool, route_batches: Tuple[int, ...],
+        cuda_graph: bool, check: bool, output: Optional[Path], jobs: Optional[int], cache_dir: Optional[Path],
+        as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
 
     The other operators run as CuPy code (see sparseconv/runner.py for the
@@ -314,6 +321,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
     """
     if autotune and backend == "reference":
         raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
+    if cuda_graph and backend == "reference":
+        raise click.UsageError("--cuda-graph replays GPU work; it does not apply to --backend reference")
     check_output_file(output, "-o", ".npy")
     try:
         if not model.is_file():
@@ -347,7 +356,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
             sparse = compile_model(model, input_size=program.input_shape[2:] if input_size else None,
                                    cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
                                    progress=not as_json, tiling="auto" if autotune else None,
-                                   backend=backend, tune_batch=batch_size)
+                                   backend=backend, tune_batch=batch_size, cuda_graph=cuda_graph,
+                                   route_batches=tuple(route_batches) if route else None)
             summary["compile_s"] = round(time.perf_counter() - t, 4)
         except CompileError as exc:
             raise click.ClickException(_tool_failure(exc)) from None
@@ -362,9 +372,13 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         summary["run_s"] = round(time.perf_counter() - t, 4)
         summary["conv_layers"] = len(sparse.kernels)
         summary["layers"] = {name: {"backend": k.backend, "tiling": k.stats["tiling"],
-                                    "tuning": k.stats.get("tuning"),
+                                    "tuning": k.stats.get("tuning"), "route": _route_summary(sparse.routes.get(name)),
                                     "fused": list(getattr(sparse.program.convs[name], "fused", ()))}
                              for name, k in sparse.kernels.items()}
+        if sparse.route_note:
+            summary["routing"] = sparse.route_note
+        if cuda_graph:
+            summary["cuda_graphs"] = {"x".join(map(str, s)): note for s, note in sparse.graph_notes.items()}
     summary["output_shape"] = list(y.shape)
     if labels is not None and y.ndim == 2:
         summary["accuracy"] = float(np.mean(y.argmax(1) == labels))
@@ -391,6 +405,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
             times = info["tuning"]["times_us"]
             click.echo(f"  {name}: {info['backend']}, tiling {info['tiling']}; timed (us): "
                        + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+    if backend != "reference" and (sparse.routes or sparse.route_note or cuda_graph):
+        for line in sparse.plan:
+            click.echo(f"  {line}")
     if "accuracy" in summary:
         click.echo(f"accuracy: {summary['accuracy']:.4f} ({int(round(summary['accuracy'] * len(x)))}/{len(x)})")
     if "same_predictions" in summary:
@@ -398,6 +415,14 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
                    f"relative L2 of outputs {summary['relative_l2_vs_reference']:.2e}")
     if output is not None:
         click.echo(f"wrote {output}")
+
+
+def _route_summary(choice: Optional[RouteChoice]) -> Optional[dict]:
+    """A layer's measured route for the JSON summary (None: not routed)."""
+    if choice is None:
+        return None
+    return {"action": choice.action, "route": choice.describe_route(), "note": choice.note,
+            "times_us": [{"batch": b, "sparseconv": s, "cudnn_fp32": d} for b, s, d in choice.times_us]}
 
 
 @main.group()

@@ -78,3 +78,10 @@ jobs_option = click.option("--jobs", type=click.IntRange(1, 1024), default=None,
 target_option = click.option("--target", default="sm_90", show_default=True, callback=_target,
                              help="GPU architecture to build for, as nvcc spells it.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+route_option = click.option("--route/--no-route", default=True, show_default=True,
+                            help="Time each compiled conv against cuDNN strict fp32 at the --route-batch sizes and "
+                            "run each batch size through the faster path (needs torch with CUDA; without it every "
+                            "conv keeps its kernel, and the output says so).")
+route_batch_option = click.option("--route-batch", "route_batches", type=click.IntRange(1), multiple=True,
+                                  default=(1, 64), show_default=True,
+                                  help="A batch size to time both paths at for --route; repeat for several.")

@@ -12,15 +12,22 @@ compile_model folds BatchNormalization into the convs and fuses Conv ->
 (BN) -> (Add) -> (Relu/Clip) chains into single kernels (onnx_fuse.py);
 load_program gives the graph as written, which `--check` evaluates.
 
+A SparseModel uploads the graph's constants once; with torch installed,
+compile_model times each kernel against cuDNN strict fp32 at the batch sizes
+named (default 1 and 64) and each batch size runs the faster path;
+cuda_graph=True replays one CUDA graph per input shape. model.plan says which
+path each Conv took, the times behind it, and each shape's graph.
+
     model = compile_model("models/lenet_digits_pruned.onnx")   # SparseModel
     logits = model(x)                       # x: CuPy or NumPy (N, 1, 8, 8) float32
     ref = run_reference(load_program("models/lenet_digits_pruned.onnx"), x)  # float64 NumPy, dense convs
 """
 from __future__ import annotations
 
+import contextlib
 import zipfile
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +38,9 @@ from .dense import conv2d_im2col, epilogue_reference
 from .api import compile_layers
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
+from .routing import DENSE, SPARSE, RouteChoice, check_route_batches, choose_route
+from .runtime import DenseConv2dKernel
+from .timing import cupy_graph, time_gpu
 
 
 @dataclass(frozen=True)
@@ -287,12 +297,58 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
 
 # --------------------------------------------------------------------------- execution
 
+# Inputs an operator reads on the host (shape values, bounds, scales, fill
+# values), by position; and a Conv's weight and bias, which its kernel holds.
+# A float constant used only here stays NumPy: reading it never waits for the
+# GPU (a CUDA-graph capture forbids that) and nothing is uploaded for it.
+HOST_INPUTS: Dict[str, Tuple[int, ...]] = {
+    "Conv": (1, 2), "Reshape": (1,), "Clip": (1, 2), "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 2, 3),
+    "Slice": (1, 2, 3, 4), "Squeeze": (1,), "Unsqueeze": (1,), "ReduceMean": (1,), "ReduceSum": (1,),
+    "ReduceMax": (1,), "Split": (1,), "Gather": (1,),
+}
+
+
+def prepare_constants(program: OnnxProgram, xp: Any, dtype: Any) -> Dict[str, Any]:
+    """The graph's constants for runs with array module xp, converted once:
+    a float tensor some operator computes with becomes an xp array of `dtype`
+    (on the GPU for CuPy); shape values, indices and the inputs in HOST_INPUTS
+    stay NumPy on the host."""
+    device_uses = {name for node in program.nodes for i, name in enumerate(node.inputs)
+                   if name and i not in HOST_INPUTS.get(node.op, ())}
+    return {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" and name in device_uses else a
+            for name, a in program.constants.items()}
+
+
+class UploadOnce:
+    """CuPy, except that asarray() of a host NumPy array uploads each distinct
+    one once (kept by content): Gather indices, Resize tables, shape values
+    meeting a tensor. The first run of an input shape uploads them; later runs,
+    and the CUDA-graph capture of that shape (which may not copy from the host),
+    find them on the device. Never pass it the graph's input: that would be kept."""
+
+    def __init__(self, xp: Any) -> None:
+        self._xp = xp
+        self._uploaded: Dict[Tuple[Any, ...], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xp, name)
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        if not isinstance(a, np.ndarray):
+            return self._xp.asarray(a, dtype=dtype)
+        key = (a.dtype.str, a.shape, None if dtype is None else np.dtype(dtype).str, a.tobytes())
+        if key not in self._uploaded:
+            self._uploaded[key] = self._xp.asarray(a, dtype=dtype)
+        return self._uploaded[key]
+
+
 def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
-            dtype: Any) -> List[Any]:
+            dtype: Any, constants: Optional[Dict[str, Any]] = None) -> List[Any]:
     """Run the graph on input x with array module xp; conv(layer, x) computes
-    each Conv, conv(layer, x, residual) a fused one that adds a residual."""
-    values: Dict[str, Any] = {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" else a
-                              for name, a in program.constants.items()}
+    each Conv, conv(layer, x, residual) a fused one that adds a residual.
+    constants: prepare_constants(program, xp, dtype), made once by the caller
+    (SparseModel keeps its own on the GPU); None converts them for this call."""
+    values: Dict[str, Any] = dict(prepare_constants(program, xp, dtype) if constants is None else constants)
     values[program.input_name] = xp.asarray(x, dtype=dtype)
     for node in program.nodes:
         try:
@@ -328,44 +384,245 @@ def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
     return execute(program, x, np, conv2d_dense, np.float64)
 
 
-class SparseModel:
-    """A pruned ONNX model on the GPU: each Conv a specialised kernel (with
-    its fused epilogue, if `program` is fused), the rest CuPy."""
+@dataclass(frozen=True)
+class CapturedForward:
+    """One input shape's CUDA graph and the memory it reads and writes."""
 
-    def __init__(self, program: OnnxProgram, kernels: Dict[str, Any]) -> None:
+    graph: Any                # cupy.cuda.Graph
+    input: Any                # the static input the graph reads: a call copies its input in
+    outputs: Tuple[Any, ...]  # the static outputs each replay overwrites
+    held: Tuple[Any, ...]     # what the capture allocated (CuPy blocks, torch's MemPool): the graph's own
+
+
+def _torch_with_cuda() -> Any:
+    """torch, where it is installed with a usable CUDA; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _end_capture_quietly(stream: Any) -> None:
+    """End a capture that already failed: the stream is usable again, and the
+    first error (the one that names the operator) is the one the caller sees."""
+    try:
+        stream.end_capture()
+    except Exception:  # noqa: BLE001 -- the capture is invalid anyway; its first error is being raised
+        pass
+
+
+class SparseModel:
+    """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy.
+
+    The graph's constants are uploaded once (on the first call); a call uploads
+    only its input. routes: Conv name -> RouteChoice, where compile_model timed
+    the kernel against cuDNN strict fp32; `dense` holds the cuDNN path of the
+    layers routed to it at some batch size, and each call picks by its batch.
+
+    cuda_graph=True: the first call of each input shape runs the forward once
+    eagerly (modules loaded, split-variant workspaces and index tables in
+    place, cuDNN plans chosen, so the batch variant of every layer is fixed for
+    the shape), then captures it as one CUDA graph on a side stream with
+    static buffers; later calls of that shape copy the input in and replay it.
+    Each call returns copies of the outputs: a result the caller keeps is not
+    overwritten by the next call. A shape whose forward cannot be captured
+    (an operator that reads a device value on the host) runs eagerly instead;
+    `graph_notes` says which happened for each shape, and why."""
+
+    def __init__(self, program: OnnxProgram, kernels: Dict[str, Any], *, cuda_graph: bool = False,
+                 routes: Optional[Dict[str, RouteChoice]] = None, dense: Optional[Dict[str, Any]] = None,
+                 route_note: str = "") -> None:
         self.program = program
         self.kernels = kernels  # layer name -> Conv2dKernel
+        self.routes = dict(routes or {})
+        self.dense = dict(dense or {})  # layer name -> DenseConv2dKernel, where a route sends a batch to cuDNN
+        self.route_note = route_note
+        self.cuda_graph = cuda_graph
+        self.graph_notes: Dict[Tuple[int, ...], str] = {}
+        self._graphs: Dict[Tuple[int, ...], Optional[CapturedForward]] = {}
+        self._constants: Optional[Dict[str, Any]] = None  # on the GPU after the first call
+        self._xp: Any = None
+
+    def kernel(self, name: str, batch: int) -> Any:
+        """What runs Conv `name` at this batch size: its kernel, or cuDNN where the route says so."""
+        choice = self.routes.get(name)
+        if choice is not None and choice.path(batch) == DENSE:
+            return self.dense[name]
+        return self.kernels[name]
 
     def _conv(self, layer: ConvLayer, x: Any, residual: Any = None) -> Any:
         import cupy
 
         extra = {} if residual is None else {"residual": cupy.ascontiguousarray(residual)}
-        return self.kernels[layer.name](cupy.ascontiguousarray(x), **extra)
+        return self.kernel(layer.name, x.shape[0])(cupy.ascontiguousarray(x), **extra)
+
+    def _eager(self, x: Any) -> List[Any]:
+        import cupy
+
+        if self._constants is None:
+            self._constants = prepare_constants(self.program, cupy, cupy.float32)
+            self._xp = UploadOnce(cupy)
+        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants)
 
     def run(self, x: Any) -> List[Any]:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
         import cupy
 
-        return execute(self.program, x, cupy, self._conv, cupy.float32)
+        # A host input is uploaded here: outside any capture, and not through UploadOnce (which would keep it).
+        x = cupy.asarray(x, dtype=cupy.float32)
+        if not self.cuda_graph:
+            return self._eager(x)
+        key = tuple(x.shape)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(x)
+        captured = self._graphs[key]
+        if captured is None:
+            return self._eager(x)
+        cupy.copyto(captured.input, x)
+        captured.graph.launch()  # on the current stream
+        return [y.copy() for y in captured.outputs]
+
+    def _capture(self, x: Any) -> Optional[CapturedForward]:
+        """The CUDA graph of the forward at x's shape, or None (the reason in graph_notes)."""
+        import cupy
+
+        shape = tuple(x.shape)
+        self._eager(x)  # warm-up: nothing is loaded, uploaded or chosen during the capture
+        pool = cupy.get_default_memory_pool()
+        held: List[Any] = []
+
+        def alloc(size: int) -> Any:  # kept as long as the graph: its replays write to these addresses
+            mem = pool.malloc(size)
+            held.append(mem)
+            return mem
+
+        static_in = x.copy()
+        torch_context, torch_held = self._torch_pool(shape[0])
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.wait_event(cupy.cuda.get_current_stream().record())
+        try:
+            with cupy.cuda.using_allocator(alloc), stream, torch_context:
+                stream.begin_capture()
+                try:
+                    outputs = self._eager(static_in)
+                except BaseException:
+                    _end_capture_quietly(stream)
+                    raise
+                graph = stream.end_capture()
+        except Exception as exc:  # noqa: BLE001 -- an operator that syncs: this shape runs eagerly, noted
+            self.graph_notes[shape] = f"not captured, runs eagerly: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            return None
+        self.graph_notes[shape] = "captured"
+        return CapturedForward(graph, static_in, tuple(outputs), tuple(held) + torch_held)
+
+    def _torch_pool(self, batch: int) -> Tuple[Any, Tuple[Any, ...]]:
+        """Where a layer runs through cuDNN at this batch size, torch allocates
+        (conv outputs, cuDNN workspace) while the graph is captured; those
+        allocations go to a MemPool of the graph's own, so torch never hands
+        that memory to anyone else while the graph may replay. (context, held)."""
+        if not any(self.kernel(name, batch).backend == DENSE for name in self.kernels):
+            return contextlib.nullcontext(), ()
+        import cupy
+        import torch
+
+        mem_pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(mem_pool, device=cupy.cuda.Device().id), (mem_pool,)
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
 
     @property
     def plan(self) -> List[str]:
-        """How each conv-like node runs: its kernel's backend, or dense."""
-        return self.program.plan({name: k.backend for name, k in self.kernels.items()})
+        """How each conv-like node runs (its kernel's backend; where routed, the
+        path per batch size and the times behind it), then how routing went and
+        each input shape's CUDA graph."""
+        paths = {}
+        for name, k in self.kernels.items():
+            choice = self.routes.get(name)
+            if choice is None:
+                paths[name] = k.backend
+            elif choice.action == "mixed":
+                paths[name] = f"mixed ({choice.describe_route()}; {choice.describe()})"
+            else:
+                paths[name] = f"{choice.action} at every batch size ({choice.describe()})"
+        lines = self.program.plan(paths)
+        if self.route_note:
+            lines.append(f"routing: {self.route_note}")
+        lines += [f"CUDA graph for input {'x'.join(map(str, s))}: {note}" for s, note in self.graph_notes.items()]
+        return lines
+
+
+def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequence[int],
+                  progress: bool = False) -> Tuple[Dict[str, RouteChoice], Dict[str, Any], str]:
+    """Time each sparseconv kernel against cuDNN strict fp32 (a DenseConv2dKernel:
+    the same call, bias and epilogue) at each batch size, by CUDA-graph replays
+    as the model runs them (CUDA events for both where a capture fails).
+    Returns (name -> RouteChoice, name -> the cuDNN kernel of each layer some
+    batch size is routed to, a note). Without torch with CUDA nothing is timed:
+    every conv keeps its kernel, and the note says so."""
+    torch = _torch_with_cuda()
+    if torch is None:
+        return {}, {}, "not routed: torch with CUDA is not installed, so every conv runs its sparseconv kernel"
+    import click
+    import cupy
+
+    device = cupy.cuda.Device().id
+    routes: Dict[str, RouteChoice] = {}
+    dense: Dict[str, Any] = {}
+    items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE]
+    for i, (name, k) in enumerate(items):
+        if progress:
+            click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
+        layer = program.convs[name]
+        cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
+        notes: List[str] = []
+
+        def time_both(b: int) -> Tuple[float, float]:
+            s = k.shape
+            x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
+            out = cupy.empty(k.output_shape(b), cupy.float32)
+            r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+            t = {}
+            for path, fn in ((SPARSE, k), (DENSE, cudnn)):
+                # torch's allocations inside the timing graph stay in a pool of their own
+                ctx = torch.cuda.use_mem_pool(torch.cuda.MemPool(), device=device) if path == DENSE \
+                    else contextlib.nullcontext()
+                with ctx:
+                    t[path] = time_gpu(lambda: fn(x, out=out, residual=r), repeat=20, max_seconds=0.2,
+                                       capture=cupy_graph)
+            if t[SPARSE].method == t[DENSE].method == "graph":
+                return t[SPARSE].us, t[DENSE].us
+            notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
+            return t[SPARSE].events_us, t[DENSE].events_us
+
+        choice = choose_route(time_both, batches)
+        routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
+        if choice.action != SPARSE:
+            dense[name] = cudnn
+    if progress and items:
+        click.echo("", err=True)
+    return routes, dense, ""
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
                   jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
-                  backend: str = "sparseconv", tune_batch: int = 64, fuse: bool = True) -> SparseModel:
+                  backend: str = "sparseconv", tune_batch: int = 64, cuda_graph: bool = False, fuse: bool = True,
+                  route_batches: Optional[Sequence[int]] = (1, 64)) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took.
+
+    route_batches (default 1 and 64): where torch with CUDA is installed, each
+    sparseconv kernel is timed against cuDNN strict fp32 at these batch sizes
+    and each batch size then runs the faster path (route_kernels); without
+    torch every conv keeps its kernel and the plan says so. None or () turns
+    routing off. cuda_graph=True replays one CUDA graph per input shape (see
+    SparseModel); model.plan shows the paths, the times and the graphs.
     fuse: fold BatchNormalization into the convs and fuse residual adds and
-    Relu/Clip into their kernels (onnx_fuse.py); the model's .plan says what
-    was fused per conv, and .program is the fused program."""
+    Relu/Clip into their kernels (onnx_fuse.py); the plan says what was fused
+    per conv, and .program is the fused program."""
+    check_route_batches(route_batches, "compile_model")
     program = load_program(path, input_size)
     if fuse:
         program = fuse_program(program)
@@ -373,7 +630,12 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
                              jobs=jobs, progress=progress, epilogues=epilogues)
-    return SparseModel(program, kernels)
+    routes: Dict[str, RouteChoice] = {}
+    dense: Dict[str, Any] = {}
+    note = ""
+    if route_batches:
+        routes, dense, note = route_kernels(program, kernels, route_batches, progress)
+    return SparseModel(program, kernels, cuda_graph=cuda_graph, routes=routes, dense=dense, route_note=note)
 
 
 # --------------------------------------------------------------------------- data

@@ -18,7 +18,6 @@ only: the kernels have no backward, so an input that requires grad is refused.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -28,11 +27,13 @@ from torch import nn
 
 from .api import compile_layers
 from .fx import ConvPlan, FusedConv2d, conv_padding, plan, prepare, swap_modules
+from .routing import choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
-__all__ = ["sparsify", "plan", "ConvPlan", "FusedConv2d", "SparseConv2d", "CudaGraphModule", "conv_padding"]
+__all__ = ["sparsify", "plan", "ConvPlan", "FusedConv2d", "SparseConv2d", "CudaGraphModule", "conv_padding",
+           "route_from_choices"]  # route_from_choices: re-exported, it lives in sparseconv.routing
 
 
 class CudaGraphModule(nn.Module):
@@ -99,21 +100,6 @@ def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: O
                           jobs=jobs, progress=progress, epilogues=epilogues)
 
 
-def route_from_choices(choices: Sequence[Tuple[int, str]]) -> List[Tuple[int, str]]:
-    """[(measured batch, faster path), ...] ascending -> a route [(up to batch,
-    path), ...]: a batch between two measured ones takes the path of the
-    nearer one (geometric midpoint), the last entry serves any larger batch,
-    neighbours with the same path merge."""
-    route: List[Tuple[int, str]] = []
-    for j, (b, path) in enumerate(choices):
-        up_to = ANY_BATCH if j == len(choices) - 1 else int(math.sqrt(b * choices[j + 1][0]))
-        if route and route[-1][1] == path:
-            route[-1] = (up_to, path)
-        else:
-            route.append((up_to, path))
-    return route
-
-
 def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device: torch.device,
                    progress: bool = False) -> Dict[str, str]:
     """Time each compiled conv at each batch size through both paths, its
@@ -132,20 +118,19 @@ def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device
         if progress:
             click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
         s = m.kernel.shape
-        decided: List[Tuple[int, str]] = []
-        parts = []
-        for b in sizes:
+
+        def time_both(b: int) -> Tuple[float, float]:
             x = torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
             r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
-            us = {}
+            us = []
             for path in ("sparseconv", "dense"):
                 m.route = [(ANY_BATCH, path)]
-                us[path] = time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.2, capture=torch_graph).us
-            best = "dense" if us["dense"] < us["sparseconv"] else "sparseconv"
-            decided.append((b, best))
-            parts.append(f"batch {b}: sparseconv {us['sparseconv']:.1f} us, cuDNN fp32 {us['dense']:.1f} us")
-        m.route = route_from_choices(decided)
-        notes[name] = "; ".join(parts)
+                us.append(time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.2, capture=torch_graph).us)
+            return us[0], us[1]
+
+        choice = choose_route(time_both, sizes)
+        m.route = list(choice.route)
+        notes[name] = choice.describe()
     if progress and items:
         click.echo("", err=True)
     return notes
