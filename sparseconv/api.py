@@ -162,6 +162,28 @@ def linear_variants(shape: ConvShape) -> List[Tuple[int, Tiling]]:
     return [(split_batch_limit(shape, split), split), (ANY_BATCH, whole)]
 
 
+# A Linear layer is a candidate for sparsify and `sparseconv run` only with at
+# least this share of zero weights: a dense classifier head gains nothing over
+# cuBLAS and would cost compile time, so unpruned ones are left alone.
+LINEAR_MIN_SPARSITY = 0.5
+# Above this many weights a Linear layer is left to cuBLAS by default: its
+# build would take minutes. Measured on the 2-core CPU machine
+# (bench/compile_linear.py, docs/PERFORMANCE.md): VGG-16's fc8 (4096x1000 =
+# 4.1M weights, 90% zeros) builds in 2 min, fc7 (4096x4096 = 16.8M) in 8 min.
+MAX_LINEAR_WEIGHTS = 4_194_304
+
+
+def linear_limits(shape: ConvShape) -> str:
+    """Why a Linear layer (linear_shape) cannot be built (sparseconv.limits,
+    for each of its linear_variants), or "" when it can."""
+    try:
+        for _, t in linear_variants(shape):
+            check_layer(shape, t)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _linear_weight(weight: Any, name: str) -> np.ndarray:
     w = _host_array(weight, f"{name}: weight")
     if w.ndim != 2:

@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .api import linear_shape, linear_variants
+from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import torch_flags
-from .limits import check_layer
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -300,18 +299,6 @@ def check_conv(conv: nn.Conv2d, sizes: Set[Any], min_sparsity: float,
         return None, str(exc)
 
 
-# A Linear layer is a candidate only with at least this share of zero weights
-# (and min_sparsity): a dense classifier head gains nothing over cuBLAS and
-# would cost compile time, so unpruned nn.Linear modules are left alone and
-# unlisted, as any other module (sparsify(linear=...), README).
-LINEAR_MIN_SPARSITY = 0.5
-# Above this many weights a Linear layer is kept by default: its build would
-# take minutes. Measured on the 2-core CPU machine (bench/compile_linear.py,
-# docs/PERFORMANCE.md): VGG-16's fc8 (4096x1000 = 4.1M weights, 90% zeros)
-# builds in 2 min, fc7 (4096x4096 = 16.8M) in 8 min.
-MAX_LINEAR_WEIGHTS = 4_194_304
-
-
 @dataclass(frozen=True)
 class LinearOptions:
     """Which nn.Linear modules the front end compiles: none (enabled=False), or
@@ -345,12 +332,8 @@ def check_linear(linear: nn.Linear, ndims: Set[Any], dtypes: Sequence[torch.dtyp
         return None, (f"{w.numel():,} weights > max_linear_weights {options.max_weights:,} (its build would take "
                       "minutes; pass max_linear_weights=None to compile it anyway)")
     shape = linear_shape(linear.in_features, linear.out_features)
-    try:
-        for _, t in linear_variants(shape):
-            check_layer(shape, t)
-    except ValueError as exc:
-        return None, str(exc)
-    return shape, ""
+    why = linear_limits(shape)
+    return (None, why) if why else (shape, "")
 
 
 def plan(model: nn.Module, example_input: torch.Tensor, min_sparsity: float = 0.0,

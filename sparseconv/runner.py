@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from . import onnx_ops as ops
 from .dense import conv2d_im2col
-from .api import compile_layers
+from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 
 
@@ -49,6 +49,10 @@ class OnnxProgram:
     input_shape: Tuple[Optional[int], ...]  # None where the graph leaves a dimension free
     output_names: Tuple[str, ...]
     convs: Dict[str, ConvLayer]  # node name -> layer
+    # Gemm / MatMul node name -> its layer as a Linear (weight (out, in)), for
+    # those that run as kernels (linear_layers); the others run as OPS.
+    linears: Dict[str, ConvLayer] = field(default_factory=dict)
+    dense_linears: Dict[str, str] = field(default_factory=dict)  # node name -> why it runs densely
 
     def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
         """One line per conv-like node: how it runs. backends: Conv name ->
@@ -58,6 +62,12 @@ class OnnxProgram:
             if node.op == "Conv":
                 s = self.convs[node.name].shape
                 lines.append(f"{node.name}: Conv {s.describe()}, {(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.name in self.linears:
+                s = self.linears[node.name].shape
+                lines.append(f"{node.name}: {node.op} as Linear {s.in_channels}->{s.out_channels}, "
+                             f"{(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.name in self.dense_linears:
+                lines.append(f"{node.name}: {node.op}, dense (CuPy matmul): {self.dense_linears[node.name]}")
             elif node.op == "ConvTranspose":
                 lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
         return lines
@@ -243,9 +253,11 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
     parsed = read_onnx(path, input_size)
-    if not parsed.layers:
-        raise ModelError(f"{path}: the model has no Conv layer; nothing for sparseconv to run")
-    check_names(path, parsed.layers)
+    linears, dense_linears = linear_layers(parsed)
+    if not parsed.layers and not linears:
+        raise ModelError(f"{path}: the model has no Conv layer (nor a pruned Gemm/MatMul with a constant "
+                         "weight); nothing for sparseconv to run")
+    check_names(path, parsed.layers + list(linears.values()))
     import onnx
 
     graph = parsed.graph
@@ -274,14 +286,70 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
             raise ModelError(f"{path}: node {name}: pooling auto_pad is not supported; export with explicit pads")
         nodes.append(Node(nd.op_type, name, tuple(nd.input), tuple(nd.output), attrs))
     return OnnxProgram(path, tuple(nodes), constants, inputs[0].name, tuple(dims),
-                       tuple(o.name for o in graph.output), convs)
+                       tuple(o.name for o in graph.output), convs, linears, dense_linears)
+
+
+def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
+    """The Gemm and MatMul nodes of a parsed ONNX graph (model.OnnxFile) that
+    are fully connected layers with a constant weight: Gemm with constant B,
+    alpha 1, transA 0, any transB, and no C or beta 1 with a constant C of
+    shape (N,), (1, N) or a scalar (the bias); MatMul of a 2-D input by a
+    constant 2-D B. Returns (node name -> layer, weight (out, in) as
+    nn.Linear's, shape api.linear_shape) for those that compile, and (node
+    name -> why) for those that stay dense: under LINEAR_MIN_SPARSITY zeros,
+    over MAX_LINEAR_WEIGHTS weights (their build would take minutes), or
+    over the build limits."""
+    import onnx
+
+    consts = parsed.constants
+    ranks: Dict[str, int] = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in
+                             list(parsed.graph.input) + list(parsed.graph.value_info) + list(parsed.graph.output)
+                             if vi.type.tensor_type.HasField("shape")}
+    linears: Dict[str, ConvLayer] = {}
+    dense: Dict[str, str] = {}
+    for i, nd in enumerate(parsed.graph.node):
+        if nd.op_type not in ("Gemm", "MatMul") or nd.domain not in ("", "ai.onnx") or len(nd.input) < 2 \
+                or nd.input[1] not in consts or consts[nd.input[1]].ndim != 2 or consts[nd.input[1]].dtype.kind != "f":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+        b = consts[nd.input[1]]
+        bias = None
+        if nd.op_type == "MatMul":
+            if ranks.get(nd.input[0]) != 2:
+                continue  # batched or unknown rank: a matmul, not a Linear layer
+            weight = b.T
+        else:
+            if float(attrs.get("alpha", 1.0)) != 1.0 or int(attrs.get("transA", 0)):
+                continue
+            weight = b if int(attrs.get("transB", 0)) else b.T
+            if len(nd.input) > 2 and nd.input[2]:
+                c = consts.get(nd.input[2])
+                if c is None or float(attrs.get("beta", 1.0)) != 1.0 or c.dtype.kind != "f" or \
+                        c.size not in (1, weight.shape[0]) or c.ndim > 2 or c.ndim == 2 and c.shape[0] != 1:
+                    continue  # a computed or per-row C: not a bias
+                bias = np.ascontiguousarray(np.broadcast_to(c.reshape(-1), (weight.shape[0],)), np.float32)
+        name = node_name(nd, i)
+        weight = np.ascontiguousarray(weight, np.float32)
+        shape = linear_shape(weight.shape[1], weight.shape[0])
+        sparsity = 1.0 - np.count_nonzero(weight) / weight.size
+        if sparsity < LINEAR_MIN_SPARSITY:
+            dense[name] = f"sparsity {sparsity:.3f} < {LINEAR_MIN_SPARSITY}"
+        elif weight.size > MAX_LINEAR_WEIGHTS:
+            dense[name] = f"{weight.size:,} weights > {MAX_LINEAR_WEIGHTS:,} (its build would take minutes)"
+        elif linear_limits(shape):
+            dense[name] = linear_limits(shape).split(": ", 1)[-1]
+        else:
+            linears[name] = ConvLayer(name, weight, bias, shape)
+    return linears, dense
 
 
 # --------------------------------------------------------------------------- execution
 
 def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, Any], Any],
-            dtype: Any) -> List[Any]:
-    """Run the graph on input x with array module xp; conv(layer, x) computes each Conv."""
+            dtype: Any, linear: Optional[Callable[[ConvLayer, Any], Any]] = None) -> List[Any]:
+    """Run the graph on input x with array module xp; conv(layer, x) computes
+    each Conv, linear(layer, x) each Gemm/MatMul of program.linears (without
+    it they run as OPS)."""
     values: Dict[str, Any] = {name: xp.asarray(a, dtype=dtype) if a.dtype.kind == "f" else a
                               for name, a in program.constants.items()}
     values[program.input_name] = xp.asarray(x, dtype=dtype)
@@ -289,6 +357,8 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[[ConvLayer, An
         try:
             if node.op == "Conv":
                 out = conv(program.convs[node.name], values[node.inputs[0]])
+            elif linear is not None and node.name in program.linears:
+                out = linear(program.linears[node.name], values[node.inputs[0]])
             else:
                 args = [values[i] if i else None for i in node.inputs]
                 out = OPS[node.op](xp, node, *args)
@@ -307,10 +377,16 @@ def conv2d_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(conv2d_im2col(x, layer.weight, layer.shape, layer.bias))
 
 
+def linear_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
+    """Dense float64 x @ W.T + b of one Linear layer (the reference)."""
+    y = np.asarray(x, np.float64) @ layer.weight.astype(np.float64).T
+    return y if layer.bias is None else y + layer.bias.astype(np.float64)
+
+
 def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
     """The dense reference: the whole graph in float64 NumPy on the CPU."""
     x = x.get() if hasattr(x, "get") else np.asarray(x)
-    return execute(program, x, np, conv2d_dense, np.float64)
+    return execute(program, x, np, conv2d_dense, np.float64, linear_dense)
 
 
 class SparseModel:
@@ -329,7 +405,7 @@ class SparseModel:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
         import cupy
 
-        return execute(self.program, x, cupy, self._conv, cupy.float32)
+        return execute(self.program, x, cupy, self._conv, cupy.float32, self._conv)
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
@@ -347,9 +423,10 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took."""
     program = load_program(path, input_size)
-    kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
+    layers = {**program.convs, **program.linears}  # one build; Gemm/MatMul layers as LinearKernel
+    kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in layers.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                             jobs=jobs, progress=progress)
+                             jobs=jobs, progress=progress, linears=set(program.linears))
     return SparseModel(program, kernels)
 
 

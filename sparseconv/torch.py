@@ -192,7 +192,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
 
     linear=True (default) also compiles each nn.Linear that is called once on
     2-D (N, in_features) inputs and has at least max(min_sparsity, 0.5) of its
-    weights zero (fx.LINEAR_MIN_SPARSITY: unpruned heads are left alone and
+    weights zero (api.LINEAR_MIN_SPARSITY: unpruned heads are left alone and
     unlisted), with a following ReLU / ReLU6 / hardtanh / clamp fused, as a
     1x1 conv on a 1x1 input (sparseconv.compile_linear); routed against
     cuBLAS's F.linear in strict fp32 like the convs. Layers with more than
