@@ -215,7 +215,9 @@ class FusedLinear(nn.Module):
         b = None if self.bias is None else self.bias.to(x.dtype)
         return act_forward(F.linear(x, self.weight.to(x.dtype), b), self.activation, self.clip)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if residual is not None:  # FusedConv2d's signature, so callers can treat both alike
+            raise TypeError(f"{self.layer_name}: a fused Linear takes no residual input")
         if self.kernel is None or not x.is_cuda:
             return self.reference(x)
         if self.path(x.shape[0]) == "dense":

@@ -391,6 +391,7 @@ class LinearKernel:
         if not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: x must be C-contiguous; use cupy.ascontiguousarray(x)")
         n = x.shape[0]
+        out4 = None
         if out is not None:
             want = self.output_shape(n)
             if not isinstance(out, cupy.ndarray):
@@ -398,9 +399,9 @@ class LinearKernel:
             if out.dtype != cupy.float32 or tuple(out.shape) != want or not out.flags.c_contiguous:
                 raise ValueError(f"{self.name}: out must be a C-contiguous float32 array of shape {want}, "
                                  f"got {out.dtype} {tuple(out.shape)}")
-            out = out.reshape(n, self.out_features, 1, 1)  # a view: contiguous
-        y = self.conv(x.reshape(n, self.in_features, 1, 1), out=out, stream=stream)
-        return y.reshape(n, self.out_features)
+            out4 = out.reshape(n, self.out_features, 1, 1)  # a view: contiguous
+        y = self.conv(x.reshape(n, self.in_features, 1, 1), out=out4, stream=stream)
+        return out if out is not None else y.reshape(n, self.out_features)
 
     def __repr__(self) -> str:
         s = self.stats

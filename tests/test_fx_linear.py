@@ -162,6 +162,8 @@ def test_fused_linear_reference_path_and_route():
     m.route = [(8, "dense"), (1 << 62, "sparseconv")]
     assert (m.path(1), m.path(8), m.path(9)) == ("dense", "dense", "sparseconv")
     assert "route <=8: dense, else sparseconv" in repr(m)
+    with pytest.raises(TypeError, match="fc: a fused Linear takes no residual"):
+        m(x, torch.zeros(1, 2))
     with pytest.raises(ValueError, match="fc: weight must be 2-D"):
         FusedLinear(torch.zeros(2, 3, 1, 1), None, name="fc")
     with pytest.raises(ValueError, match="fc: clip=.* goes with activation='clip'"):
