@@ -138,3 +138,14 @@ def test_an_mlp_without_convs_runs(tmp_path):
                        {"w": rng.standard_normal((3, 4)).astype(F32)}, ["N", 4])
     r = CliRunner().invoke(main, ["run", str(only_dense), "--data", str(data), "--backend", "reference"])
     assert r.exit_code == 2 and "no Conv layer (nor a pruned Gemm/MatMul" in r.output
+
+
+def test_inspect_lists_the_linear_layers_run_compiles(tmp_path):
+    path, _ = _classifier(tmp_path, np.random.default_rng(5))
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    lines = {line.split()[0]: line for line in r.output.splitlines()[2:] if line.strip()}
+    assert "compile" in lines["conv"]
+    assert "Linear 48->12" in lines["fc1"] and lines["fc1"].endswith("run: Linear kernel (not in `compile`)")
+    assert "Linear 12->10" in lines["fc2"] and "Linear 10->6" in lines["fc3"]
+    assert "run: dense, sparsity 0.000 < 0.5" in lines["dense_fc"] and "scaled" not in lines
