@@ -169,7 +169,7 @@ LINEAR_MIN_SPARSITY = 0.5
 # Above this many weights a Linear layer is left to cuBLAS by default: its
 # build would take minutes. Measured on the 2-core CPU machine
 # (bench/compile_linear.py, docs/PERFORMANCE.md): VGG-16's fc8 (4096x1000 =
-# 4.1M weights, 90% zeros) builds in 2 min, fc7 (4096x4096 = 16.8M) in 8 min.
+# 4.1M weights, 90% zeros) builds in 2 min, fc7 (4096x4096 = 16.8M) in 13 min.
 MAX_LINEAR_WEIGHTS = 4_194_304
 
 

@@ -1,6 +1,7 @@
 """The PyTorch graph front end: trace a module with torch.fx, fold eval-mode
 BatchNorm into the conv before it, fuse Conv -> (BN) -> (Add) -> (ReLU/ReLU6/
-clip) chains into one FusedConv2d node, and say per conv what happened.
+clip) chains into one FusedConv2d node (and, when asked, pruned Linear ->
+(ReLU/ReLU6/clip) into one FusedLinear), and say per layer what happened.
 
 Everything here runs on the CPU: a FusedConv2d without a compiled kernel (or on
 a CPU tensor) computes its chain with torch (F.conv2d + residual + activation),

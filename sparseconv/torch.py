@@ -197,7 +197,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     1x1 conv on a 1x1 input (sparseconv.compile_linear); routed against
     cuBLAS's F.linear in strict fp32 like the convs. Layers with more than
     max_linear_weights weights (default 4,194,304: VGG-16's fc8 builds in 2
-    minutes on 2 cores, fc7 in 8) are kept, as are those over the build limits
+    minutes on 2 cores, fc7 in 13) are kept, as are those over the build limits
     (fc6); max_linear_weights=None lifts the first bound. The plan lists them
     with kind "linear"."""
     if not 0.0 <= min_sparsity <= 1.0:
