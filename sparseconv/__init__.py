@@ -5,6 +5,8 @@ immediates). Exact fp32.
     conv = sparseconv.compile_conv2d(w, input_size=(56, 56), bias=b, stride=1, padding=1)
     y = conv(x)   # x: (N, C, 56, 56) float32 on the GPU; y: CuPy array
 
+    fc = sparseconv.compile_linear(w_fc, bias=b_fc, activation="relu")  # (N, in) -> (N, out)
+
     layer = sparseconv.build_conv2d(w, shape, target=sparseconv.Target("sm_90"))  # build only, no GPU
     model = sparseconv.compile_model("models/lenet_digits_pruned.onnx")  # a whole ONNX model
     sparseconv.torch.sparsify(torch_model, example_input)                # PyTorch drop-in
@@ -22,8 +24,8 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "compile_conv2d": "api",
-    "Conv2dKernel": "runtime", "DenseConv2dKernel": "runtime",
+    "compile_conv2d": "api", "compile_linear": "api",
+    "Conv2dKernel": "runtime", "DenseConv2dKernel": "runtime", "LinearKernel": "runtime",
     "compile_model": "runner", "SparseModel": "runner",
     "build_conv2d": "build", "CompiledLayer": "build",
     "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "shapes",

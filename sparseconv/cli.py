@@ -27,11 +27,11 @@ from .cli_options import (cache_dir_option, check_output_file, format_option, in
                           parse_size, route_batch_option, route_option, spec_option, target_option)
 from .compile import CompileError, ToolNotFoundError
 from .limits import MAX_INDEX, check_layer
-from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why
+from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why, read_onnx
 from .onnx_fuse import fuse_program, fusion_lines
 from .parallel import LayerJob, build_many
 from .routing import RouteChoice
-from .runner import compile_model, load_data, load_program, predict, run_reference
+from .runner import compile_model, linear_layers, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
 
 
@@ -220,6 +220,15 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
         else:
             for line in fusion_lines(fuse_program(program).convs):
                 click.echo(line if line.startswith(" ") else f"sparseconv run: {line}")
+    if m.format == "onnx":  # the Gemm/MatMul layers `run` compiles as Linear kernels (runner.linear_layers)
+        linears, dense = linear_layers(read_onnx(model, parse_size(input_size, "--input-size") if input_size
+                                                 else None))
+        for name, layer in linears.items():
+            s = layer.shape
+            click.echo(f"{name[:32]:32s} {f'Linear {s.in_channels}->{s.out_channels}':34s} {layer.sparsity:8.3f} "
+                       f"{int(np.count_nonzero(layer.weight)):>10d}  run: Linear kernel (not in `compile`)")
+        for name, why in dense.items():
+            click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: dense, {why}")
 
 
 @main.command()

@@ -1,6 +1,7 @@
 """The PyTorch graph front end: trace a module with torch.fx, fold eval-mode
 BatchNorm into the conv before it, fuse Conv -> (BN) -> (Add) -> (ReLU/ReLU6/
-clip) chains into one FusedConv2d node, and say per conv what happened.
+clip) chains into one FusedConv2d node (and, when asked, pruned Linear ->
+(ReLU/ReLU6/clip) into one FusedLinear), and say per layer what happened.
 
 Everything here runs on the CPU: a FusedConv2d without a compiled kernel (or on
 a CPU tensor) computes its chain with torch (F.conv2d + residual + activation),
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
 from .shapes import ConvShape, shape_from_weight
 
@@ -38,6 +40,7 @@ class ConvPlan:
     sparsity: float
     shape: Optional[ConvShape]   # None when the conv cannot be compiled
     fused: Tuple[str, ...] = ()  # what was folded/fused into it, in order: "bn", "add", "relu", "relu6", "clip"
+    kind: str = "conv"           # "conv" (nn.Conv2d) or "linear" (nn.Linear, as a 1x1 conv on a 1x1 input)
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class FrontEnd:
 
     module: nn.Module
     plans: List[ConvPlan]
-    convs: Dict[str, "FusedConv2d"]
+    convs: Dict[str, Union["FusedConv2d", "FusedLinear"]]  # FusedLinear: an nn.Linear's (plan kind "linear")
     traced: bool                 # False: fell back to the per-module swap
     trace_error: str = ""
 
@@ -175,6 +178,86 @@ class FusedConv2d(nn.Module):
         return text
 
 
+class FusedLinear(nn.Module):
+    """An nn.Linear (+ a following ReLU / ReLU6 / hardtanh / clamp) as one node:
+    y = act(x @ weight.T + bias) for x of shape (N, in_features).
+
+    With a compiled kernel attached (`.kernel`, a sparseconv LinearKernel set
+    by sparseconv.torch.sparsify) and a CUDA input, the kernel computes it;
+    otherwise torch does (F.linear, activation), in the input's dtype: the
+    reference path CPU tests compare against. `route` as FusedConv2d's:
+    "dense" runs F.linear in strict fp32 (cuBLAS, TF32 off)."""
+
+    residual = False  # the epilogue of a Linear layer: bias and activation only
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, activation: str = "none",
+                 clip: Optional[Tuple[float, float]] = None, name: str = "linear",
+                 fused: Tuple[str, ...] = ()) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if (activation == "clip") != (clip is not None):
+            raise ValueError(f"{name}: clip=(lo, hi) goes with activation='clip' and only with it")
+        if weight.dim() != 2:
+            raise ValueError(f"{name}: weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features, self.in_features = weight.shape
+        self.activation, self.clip = activation, clip
+        self.layer_name, self.fused = name, fused
+        self.kernel: Any = None      # a sparseconv LinearKernel, attached after compiling
+        self.route: List[Tuple[int, str]] = []
+        self._streams: Dict[int, Any] = {}
+
+    path = FusedConv2d.path
+    _cupy_stream = FusedConv2d._cupy_stream
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The chain in torch, in x's dtype."""
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return act_forward(F.linear(x, self.weight.to(x.dtype), b), self.activation, self.clip)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if residual is not None:  # FusedConv2d's signature, so callers can treat both alike
+            raise TypeError(f"{self.layer_name}: a fused Linear takes no residual input")
+        if self.kernel is None or not x.is_cuda:
+            return self.reference(x)
+        if self.path(x.shape[0]) == "dense":
+            with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
+                return self.reference(x.detach())
+        return self._run_kernel(x)
+
+    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        import cupy
+
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{self.layer_name}: sparseconv kernels are inference-only (no backward); run the "
+                               "model under torch.no_grad() or torch.inference_mode()")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{self.layer_name}: expected a float32 CUDA tensor, got {x.dtype} on {x.device}")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"{self.layer_name}: compiled for inputs (N, {self.in_features}), got "
+                             f"{tuple(x.shape)}")
+        if x.device.index != self.kernel.device_id:
+            raise ValueError(f"{self.layer_name}: input on {x.device}, kernel loaded on "
+                             f"cuda:{self.kernel.device_id}")
+        x = x.detach().contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32, device=x.device)
+        if x.shape[0]:
+            with cupy.cuda.Device(x.device.index), self._cupy_stream(x.device):
+                self.kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out))
+        return out
+
+    def extra_repr(self) -> str:
+        text = (f"{self.layer_name}: {self.in_features} -> {self.out_features}, "
+                f"fused={'+'.join(self.fused) or 'nothing'}")
+        if self.kernel is not None:
+            text += f", backend {self.kernel.backend}"
+        if self.route:
+            text += ", route " + ", ".join(f"<={u}: {p}" if u < 1 << 62 else f"else {p}" for u, p in self.route)
+        return text
+
+
 # -- eligibility ---------------------------------------------------------------------------------------------------
 
 def conv_padding(conv: nn.Conv2d) -> Tuple[Optional[Tuple[int, int]], str]:
@@ -220,15 +303,57 @@ def check_conv(conv: nn.Conv2d, sizes: Set[Any], min_sparsity: float,
         return None, str(exc)
 
 
+@dataclass(frozen=True)
+class LinearOptions:
+    """Which nn.Linear modules the front end compiles: none (enabled=False), or
+    those with sparsity >= max(min_sparsity, LINEAR_MIN_SPARSITY), at most
+    max_weights weights (None: no bound but the build limits), called on 2-D
+    inputs."""
+
+    enabled: bool = True
+    max_weights: Optional[int] = MAX_LINEAR_WEIGHTS
+
+
+def linear_candidate(linear: nn.Linear, min_sparsity: float, options: LinearOptions) -> bool:
+    """Whether an nn.Linear is sparse enough to be considered (and listed in the plan)."""
+    return options.enabled and sparsity_of(linear.weight.detach()) >= max(min_sparsity, LINEAR_MIN_SPARSITY)
+
+
+def check_linear(linear: nn.Linear, ndims: Set[Any], dtypes: Sequence[torch.dtype],
+                 options: LinearOptions) -> Tuple[Optional[ConvShape], str]:
+    """The shape (api.linear_shape) a candidate nn.Linear compiles to, or None
+    and why it stays as it is. `ndims`: the ranks of the inputs it was called
+    with (None: not a tensor)."""
+    w = linear.weight.detach()
+    if not ndims:
+        return None, "not called by the forward pass on example_input"
+    if ndims != {2}:
+        shown = ", ".join(f"{d}-D" if d is not None else "non-tensor" for d in sorted(ndims, key=str))
+        return None, f"called on {shown} inputs (only 2-D (N, in_features) compiles)"
+    if w.dtype not in dtypes:
+        return None, f"weight dtype {w.dtype} (only {', '.join(str(d) for d in dtypes)} compiles)"
+    if options.max_weights is not None and w.numel() > options.max_weights:
+        return None, (f"{w.numel():,} weights > max_linear_weights {options.max_weights:,} (its build would take "
+                      "minutes; pass max_linear_weights=None to compile it anyway)")
+    shape = linear_shape(linear.in_features, linear.out_features)
+    why = linear_limits(shape)
+    return (None, why) if why else (shape, "")
+
+
 def plan(model: nn.Module, example_input: torch.Tensor, min_sparsity: float = 0.0,
-         dtypes: Sequence[torch.dtype] = (torch.float32,)) -> List[ConvPlan]:
+         dtypes: Sequence[torch.dtype] = (torch.float32,), linear: LinearOptions = LinearOptions(enabled=False)
+         ) -> List[ConvPlan]:
     """Run `model` once on `example_input` (no grad) to learn each conv's input
-    size, and decide per nn.Conv2d whether it compiles (no fusion: the
-    per-module view). Works on any device."""
+    size, and decide per nn.Conv2d (and candidate nn.Linear, with `linear`
+    enabled) whether it compiles (no fusion: the per-module view). Works on
+    any device."""
     sizes: Dict[nn.Module, set] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args: sizes.setdefault(mod, set()).add(
         tuple(args[0].shape[2:]) if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 else None))
         for m in model.modules() if isinstance(m, nn.Conv2d)]
+    hooks += [m.register_forward_pre_hook(lambda mod, args: sizes.setdefault(mod, set()).add(
+        args[0].dim() if args and isinstance(args[0], torch.Tensor) else None))
+        for m in model.modules() if isinstance(m, nn.Linear) and linear_candidate(m, min_sparsity, linear)]
     try:
         with torch.no_grad():
             model(example_input)
@@ -237,6 +362,12 @@ def plan(model: nn.Module, example_input: torch.Tensor, min_sparsity: float = 0.
             h.remove()
     plans, seen = [], set()
     for name, conv in model.named_modules():
+        if isinstance(conv, nn.Linear) and id(conv) not in seen and linear_candidate(conv, min_sparsity, linear):
+            seen.add(id(conv))
+            shape, why = check_linear(conv, sizes.get(conv, set()), dtypes, linear)
+            plans.append(ConvPlan(name or "linear", "kept" if why else "sparseconv", why,
+                                  sparsity_of(conv.weight.detach()), shape, kind="linear"))
+            continue
         if not isinstance(conv, nn.Conv2d) or id(conv) in seen:
             continue
         seen.add(id(conv))
@@ -251,11 +382,13 @@ def unfused(conv: nn.Conv2d, shape: ConvShape, name: str) -> FusedConv2d:
                        dilation=shape.dilation, groups=shape.groups, name=name)
 
 
-def swap_modules(model: nn.Module, plans: List[ConvPlan]) -> Dict[str, FusedConv2d]:
+def swap_modules(model: nn.Module, plans: List[ConvPlan]) -> Dict[str, Union[FusedConv2d, FusedLinear]]:
     """The per-module path: replace each planned conv by an unfused FusedConv2d
-    in every parent that holds it; returns name -> FusedConv2d."""
-    convs = {name or "conv": m for name, m in model.named_modules()}
-    chosen = {id(convs[p.name]): unfused(convs[p.name], p.shape, p.name)
+    (each planned Linear by a FusedLinear) in every parent that holds it;
+    returns name -> module."""
+    convs = {name or ("linear" if isinstance(m, nn.Linear) else "conv"): m for name, m in model.named_modules()}
+    chosen = {id(convs[p.name]): FusedLinear(convs[p.name].weight, convs[p.name].bias, name=p.name)
+              if p.kind == "linear" else unfused(convs[p.name], p.shape, p.name)
               for p in plans if p.action == "sparseconv" and p.shape is not None}
     for parent in model.modules():
         for child_name, child in list(parent.named_children()):
@@ -425,13 +558,16 @@ def _shape_prop(gm: fx.GraphModule, example_input: torch.Tensor) -> None:
 
 
 def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0, fuse: bool = True,
-            dtypes: Sequence[torch.dtype] = (torch.float32,)) -> FrontEnd:
+            dtypes: Sequence[torch.dtype] = (torch.float32,),
+            linear: LinearOptions = LinearOptions(enabled=False)) -> FrontEnd:
     """Trace `model` (left unchanged), fold BN and fuse epilogues into
     FusedConv2d nodes for every eligible conv; fall back to the per-module swap
     on a deep copy when torch.fx cannot trace it. Runs the model once on
     example_input (any device) to learn the shapes. `dtypes`: the weight dtypes
     that count as compilable (float32 for the GPU kernels; tests also use
-    float64 to check the passes to 1e-10)."""
+    float64 to check the passes to 1e-10). `linear` (enabled by
+    sparseconv.torch.sparsify): also turn eligible nn.Linear modules, with a
+    following activation, into FusedLinear nodes (LinearOptions)."""
     import copy
 
     # One forward first: it also turns torch.nn.utils.prune's computed `weight`
@@ -442,24 +578,27 @@ def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: floa
     try:
         if isinstance(model, nn.Conv2d):
             raise TypeError("the model is a single nn.Conv2d")  # traced, it would be F.conv2d: nothing to swap
+        if isinstance(model, nn.Linear) and linear.enabled:
+            raise TypeError("the model is a single nn.Linear")
         gm = fx.symbolic_trace(model)
         _shape_prop(gm, example_input)
     except Exception as exc:  # noqa: BLE001 -- any tracing failure means: per-module path
         error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        plans = plan(model, example_input, min_sparsity, dtypes)
-        single = isinstance(model, nn.Conv2d)
+        plans = plan(model, example_input, min_sparsity, dtypes, linear)
+        single = isinstance(model, nn.Conv2d) or isinstance(model, nn.Linear) and linear.enabled
+        note = (f"the model is one nn.{'Linear' if isinstance(model, nn.Linear) else 'Conv2d'}: swapped whole" if single else
+                f"not traceable by torch.fx ({error}): per-module swap, nothing fused")
         convs = swap_modules(model, plans)
         if single and convs:
             model = next(iter(convs.values()))
-        note = ("the model is one nn.Conv2d: swapped whole" if single else
-                f"not traceable by torch.fx ({error}): per-module swap, nothing fused")
-        plans = [p if p.action == "kept" else ConvPlan(p.name, p.action, note, p.sparsity, p.shape) for p in plans]
+        plans = [p if p.action == "kept" else ConvPlan(p.name, p.action, note, p.sparsity, p.shape, kind=p.kind)
+                 for p in plans]
         return FrontEnd(model, plans, convs, False, error)
-    return _rewrite(model, gm, min_sparsity, fuse, dtypes)
+    return _rewrite(model, gm, min_sparsity, fuse, dtypes, linear)
 
 
 def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bool,
-             dtypes: Sequence[torch.dtype]) -> FrontEnd:
+             dtypes: Sequence[torch.dtype], linear: LinearOptions = LinearOptions(enabled=False)) -> FrontEnd:
     modules = dict(gm.named_modules())
     graph = gm.graph
     calls: Dict[str, List[fx.Node]] = {}
@@ -511,12 +650,20 @@ def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bo
             for n in reversed(chain):
                 graph.erase_node(n)
             graph.erase_node(node)
+    linears = _rewrite_linears(gm, modules, min_sparsity, fuse, dtypes, linear)
     graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
 
     plans: List[ConvPlan] = []
     for name, conv in model.named_modules():  # the model's: the graph module holds only what it calls
+        if name in linears:
+            plans.append(linears[name])
+            continue
+        if isinstance(conv, nn.Linear) and linear_candidate(conv, min_sparsity, linear):
+            plans.append(ConvPlan(name, "kept", "not called by the forward pass on example_input",
+                                  sparsity_of(conv.weight.detach()), None, kind="linear"))
+            continue
         if not isinstance(conv, nn.Conv2d):
             continue
         shape, why = checked.get(name, (None, "not called by the forward pass on example_input"))
@@ -524,4 +671,56 @@ def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bo
             why = f"called {len(calls[name])} times: compiled once, nothing fused"
         plans.append(ConvPlan(name, "sparseconv" if name in convs else "kept", why,
                               sparsity_of(conv.weight.detach()), shape, fused_of.get(name, ())))
+    for name, p in linears.items():
+        if p.action == "sparseconv":
+            convs[name] = gm.get_submodule(name)
     return FrontEnd(gm, plans, convs, True)
+
+
+def _rewrite_linears(gm: fx.GraphModule, modules: Dict[str, nn.Module], min_sparsity: float, fuse: bool,
+                     dtypes: Sequence[torch.dtype], options: LinearOptions) -> Dict[str, ConvPlan]:
+    """Replace each eligible nn.Linear of the graph (called once, on 2-D
+    inputs) and a following activation by a FusedLinear node; name -> its
+    plan, for every candidate Linear (linear_candidate) of the graph."""
+    if not options.enabled:
+        return {}
+    graph = gm.graph
+    calls: Dict[str, List[fx.Node]] = {}
+    for node in graph.nodes:
+        m = modules.get(str(node.target)) if node.op == "call_module" else None
+        if isinstance(m, nn.Linear) and linear_candidate(m, min_sparsity, options):
+            calls.setdefault(str(node.target), []).append(node)
+    plans: Dict[str, ConvPlan] = {}
+    for name, nodes in calls.items():
+        lin = modules[name]
+        metas = [_meta(n.args[0]) if n.args else None for n in nodes]
+        shape, why = check_linear(lin, {len(m.shape) if m is not None else None for m in metas}, dtypes, options)
+        if shape is not None and len(nodes) > 1:
+            shape, why = None, f"called {len(nodes)} times (a Linear compiles when called once)"
+        elif shape is not None and (len(nodes[0].args) != 1 or nodes[0].kwargs):
+            shape, why = None, "called with keyword or extra arguments (only fc(x) compiles)"
+        sparsity = sparsity_of(lin.weight.detach())
+        if shape is None:
+            plans[name] = ConvPlan(name, "kept", why, sparsity, None, kind="linear")
+            continue
+        (node,) = nodes
+        act: Optional[Tuple[str, Optional[Tuple[float, float]]]] = None
+        users = list(node.users)
+        nxt = users[0] if len(users) == 1 else None
+        if fuse and nxt is not None and nxt.args and nxt.args[0] is node:
+            act = _activation(nxt, modules)
+            if act is not None and any(_mutates(n, modules) for n in _between(node, nxt)):
+                act = None  # the fused node runs where the activation was: nothing between may write its input
+        activation, clip = act if act is not None else ("none", None)
+        fused = FusedLinear(lin.weight, lin.bias, activation=activation, clip=clip, name=name,
+                            fused=(activation,) if act is not None else ())
+        gm.add_submodule(name, fused)
+        if act is not None:
+            with graph.inserting_before(nxt):
+                new = graph.call_module(name, (node.args[0],))
+            new.meta = dict(nxt.meta)
+            nxt.replace_all_uses_with(new)
+            graph.erase_node(nxt)
+            graph.erase_node(node)
+        plans[name] = ConvPlan(name, "sparseconv", "", sparsity, shape, fused.fused, kind="linear")
+    return plans

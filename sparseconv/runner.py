@@ -35,7 +35,7 @@ import numpy as np
 
 from . import onnx_ops as ops
 from .dense import conv2d_im2col, epilogue_reference
-from .api import compile_layers
+from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 from .routing import DENSE, SPARSE, RouteChoice, check_route_batches, choose_route
@@ -64,6 +64,10 @@ class OnnxProgram:
     output_names: Tuple[str, ...]
     convs: Dict[str, ConvLayer]  # node name -> layer (a FusedConv in a fused program)
     shapes: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)  # value -> inferred dims (int, name or None)
+    # Gemm / MatMul node name -> its layer as a Linear (weight (out, in)), for
+    # those that run as kernels (linear_layers); the others run as OPS.
+    linears: Dict[str, ConvLayer] = field(default_factory=dict)
+    dense_linears: Dict[str, str] = field(default_factory=dict)  # node name -> why it runs densely
 
     def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
         """One line per conv-like node: how it runs, and what was fused into
@@ -76,6 +80,12 @@ class OnnxProgram:
                 fused = layer.describe_fusion() if isinstance(layer, FusedConv) else ""
                 lines.append(f"{node.name}: Conv {layer.shape.describe()}{fused}, "
                              f"{(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.name in self.linears:
+                s = self.linears[node.name].shape
+                lines.append(f"{node.name}: {node.op} as Linear {s.in_channels}->{s.out_channels}, "
+                             f"{(backends or {}).get(node.name, 'sparseconv')}")
+            elif node.name in self.dense_linears:
+                lines.append(f"{node.name}: {node.op}, dense (CuPy matmul): {self.dense_linears[node.name]}")
             elif node.op == "ConvTranspose":
                 lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
         return lines
@@ -261,9 +271,11 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
     parsed = read_onnx(path, input_size)
-    if not parsed.layers:
-        raise ModelError(f"{path}: the model has no Conv layer; nothing for sparseconv to run")
-    check_names(path, parsed.layers)
+    linears, dense_linears = linear_layers(parsed)
+    if not parsed.layers and not linears:
+        raise ModelError(f"{path}: the model has no Conv layer (nor a pruned Gemm/MatMul with a constant "
+                         "weight); nothing for sparseconv to run")
+    check_names(path, parsed.layers + list(linears.values()))
     import onnx
 
     graph = parsed.graph
@@ -292,7 +304,61 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
             raise ModelError(f"{path}: node {name}: pooling auto_pad is not supported; export with explicit pads")
         nodes.append(Node(nd.op_type, name, tuple(nd.input), tuple(nd.output), attrs))
     return OnnxProgram(path, tuple(nodes), constants, inputs[0].name, tuple(dims),
-                       tuple(o.name for o in graph.output), convs, value_shapes(graph))
+                       tuple(o.name for o in graph.output), convs, value_shapes(graph), linears, dense_linears)
+
+
+def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
+    """The Gemm and MatMul nodes of a parsed ONNX graph (model.OnnxFile) that
+    are fully connected layers with a constant weight: Gemm with constant B,
+    alpha 1, transA 0, any transB, and no C or beta 1 with a constant C of
+    shape (N,), (1, N) or a scalar (the bias); MatMul of a 2-D input by a
+    constant 2-D B. Returns (node name -> layer, weight (out, in) as
+    nn.Linear's, shape api.linear_shape) for those that compile, and (node
+    name -> why) for those that stay dense: under LINEAR_MIN_SPARSITY zeros,
+    over MAX_LINEAR_WEIGHTS weights (their build would take minutes), or
+    over the build limits."""
+    import onnx
+
+    consts = parsed.constants
+    ranks: Dict[str, int] = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in
+                             list(parsed.graph.input) + list(parsed.graph.value_info) + list(parsed.graph.output)
+                             if vi.type.tensor_type.HasField("shape")}
+    linears: Dict[str, ConvLayer] = {}
+    dense: Dict[str, str] = {}
+    for i, nd in enumerate(parsed.graph.node):
+        if nd.op_type not in ("Gemm", "MatMul") or nd.domain not in ("", "ai.onnx") or len(nd.input) < 2 \
+                or nd.input[1] not in consts or consts[nd.input[1]].ndim != 2 or consts[nd.input[1]].dtype.kind != "f":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
+        b = consts[nd.input[1]]
+        bias = None
+        if nd.op_type == "MatMul":
+            if ranks.get(nd.input[0]) != 2:
+                continue  # batched or unknown rank: a matmul, not a Linear layer
+            weight = b.T
+        else:
+            if float(attrs.get("alpha", 1.0)) != 1.0 or int(attrs.get("transA", 0)):
+                continue
+            weight = b if int(attrs.get("transB", 0)) else b.T
+            if len(nd.input) > 2 and nd.input[2]:
+                c = consts.get(nd.input[2])
+                if c is None or float(attrs.get("beta", 1.0)) != 1.0 or c.dtype.kind != "f" or \
+                        c.size not in (1, weight.shape[0]) or c.ndim > 2 or c.ndim == 2 and c.shape[0] != 1:
+                    continue  # a computed or per-row C: not a bias
+                bias = np.ascontiguousarray(np.broadcast_to(c.reshape(-1), (weight.shape[0],)), np.float32)
+        name = node_name(nd, i)
+        weight = np.ascontiguousarray(weight, np.float32)
+        shape = linear_shape(weight.shape[1], weight.shape[0])
+        sparsity = 1.0 - np.count_nonzero(weight) / weight.size
+        if sparsity < LINEAR_MIN_SPARSITY:
+            dense[name] = f"sparsity {sparsity:.3f} < {LINEAR_MIN_SPARSITY}"
+        elif weight.size > MAX_LINEAR_WEIGHTS:
+            dense[name] = f"{weight.size:,} weights > {MAX_LINEAR_WEIGHTS:,} (its build would take minutes)"
+        elif linear_limits(shape):
+            dense[name] = linear_limits(shape).split(": ", 1)[-1]
+        else:
+            linears[name] = ConvLayer(name, weight, bias, shape)
+    return linears, dense
 
 
 # --------------------------------------------------------------------------- execution
@@ -343,9 +409,12 @@ class UploadOnce:
 
 
 def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
-            dtype: Any, constants: Optional[Dict[str, Any]] = None) -> List[Any]:
+            dtype: Any, constants: Optional[Dict[str, Any]] = None,
+            linear: Optional[Callable[[ConvLayer, Any], Any]] = None) -> List[Any]:
     """Run the graph on input x with array module xp; conv(layer, x) computes
-    each Conv, conv(layer, x, residual) a fused one that adds a residual.
+    each Conv, conv(layer, x, residual) a fused one that adds a residual, and
+    linear(layer, x) each Gemm/MatMul of program.linears (without it they run
+    as OPS).
     constants: prepare_constants(program, xp, dtype), made once by the caller
     (SparseModel keeps its own on the GPU); None converts them for this call."""
     values: Dict[str, Any] = dict(prepare_constants(program, xp, dtype) if constants is None else constants)
@@ -355,6 +424,8 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
             if node.op == "Conv":
                 residual = [values[i] for i in node.inputs[RESIDUAL_INPUT:]]  # fused by onnx_fuse
                 out = conv(program.convs[node.name], values[node.inputs[0]], *residual)
+            elif linear is not None and node.name in program.linears:
+                out = linear(program.linears[node.name], values[node.inputs[0]])
             else:
                 args = [values[i] if i else None for i in node.inputs]
                 out = OPS[node.op](xp, node, *args)
@@ -377,11 +448,17 @@ def conv2d_dense(layer: ConvLayer, x: np.ndarray, residual: Optional[np.ndarray]
     return np.ascontiguousarray(y)
 
 
+def linear_dense(layer: ConvLayer, x: np.ndarray) -> np.ndarray:
+    """Dense float64 x @ W.T + b of one Linear layer (the reference)."""
+    y = np.asarray(x, np.float64) @ layer.weight.astype(np.float64).T
+    return y if layer.bias is None else y + layer.bias.astype(np.float64)
+
+
 def run_reference(program: OnnxProgram, x: Any) -> List[np.ndarray]:
     """The dense reference: the whole graph in float64 NumPy on the CPU (for
     `--check`, the program load_program gives: the model as written)."""
     x = x.get() if hasattr(x, "get") else np.asarray(x)
-    return execute(program, x, np, conv2d_dense, np.float64)
+    return execute(program, x, np, conv2d_dense, np.float64, linear=linear_dense)
 
 
 @dataclass(frozen=True)
@@ -463,7 +540,7 @@ class SparseModel:
         if self._constants is None:
             self._constants = prepare_constants(self.program, cupy, cupy.float32)
             self._xp = UploadOnce(cupy)
-        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants)
+        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants, linear=self._conv)
 
     def run(self, x: Any) -> List[Any]:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""
@@ -570,7 +647,8 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     device = cupy.cuda.Device().id
     routes: Dict[str, RouteChoice] = {}
     dense: Dict[str, Any] = {}
-    items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE]
+    # convs only: a Linear kernel (program.linears) keeps its kernel
+    items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE and name in program.convs]
     for i, (name, k) in enumerate(items):
         if progress:
             click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
@@ -627,9 +705,10 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     if fuse:
         program = fuse_program(program)
     epilogues = {n: layer.epilogue for n, layer in program.convs.items() if isinstance(layer, FusedConv)}
-    kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in program.convs.items()],
+    layers = {**program.convs, **program.linears}  # one build; Gemm/MatMul layers as LinearKernel
+    kernels = compile_layers([(n, layer.weight, layer.bias, layer.shape) for n, layer in layers.items()],
                              tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                             jobs=jobs, progress=progress, epilogues=epilogues)
+                             jobs=jobs, progress=progress, epilogues=epilogues, linears=set(program.linears))
     routes: Dict[str, RouteChoice] = {}
     dense: Dict[str, Any] = {}
     note = ""

@@ -5,6 +5,7 @@ this module does not); the build side (sparseconv.build) never imports it.
 
     load_kernel(artifact, suffix, entry)   cubin or PTX -> cupy.RawModule + function
     Conv2dKernel(layer, bias)              the callable: kernel(x, out=None, stream=None) -> y
+    LinearKernel(conv)                     a fully connected layer through a Conv2dKernel: (N, in) -> (N, out)
     DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
 
 A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is
@@ -172,7 +173,8 @@ class Conv2dKernel:
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
         return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
 
-    def _check_input(self, x: Any) -> Any:
+    def _as_cupy(self, x: Any) -> Any:
+        """x as a CuPy array on this kernel's GPU (no copy), float32, or an error saying what to pass."""
         import cupy
 
         if isinstance(x, np.ndarray):
@@ -192,6 +194,10 @@ class Conv2dKernel:
                              f"{self.device_id}")
         if x.dtype != cupy.float32:
             raise TypeError(f"{self.layer.name}: x must be float32, got {x.dtype}")
+        return x
+
+    def _check_input(self, x: Any) -> Any:
+        x = self._as_cupy(x)
         s = self.shape
         if x.ndim != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
             raise ValueError(f"{self.layer.name}: x must have shape (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
@@ -328,3 +334,77 @@ class DenseConv2dKernel(Conv2dKernel):
             lo_v = np.float32(-np.inf if lo is None else lo)
             hi_v = np.float32(np.inf if hi is None else hi)
             cupy.copyto(out, cupy.where(out < lo_v, lo_v, cupy.where(out > hi_v, hi_v, out)))
+
+
+class LinearKernel:
+    """A pruned fully connected layer, y = act(x @ W.T + b), run as the
+    Conv2dKernel of its 1x1 conv on a 1x1 input (the batch as pixels;
+    sparseconv.api.compile_linear builds it).
+
+    kernel(x, out=None, stream=None) -> y, with x an (N, in_features) float32
+    C-contiguous CUDA array (CuPy, or a torch tensor through
+    __cuda_array_interface__ / DLPack) and y a CuPy (N, out_features) array.
+    The (N, C) and (N, C, 1, 1) layouts are the same memory, so the conv
+    kernel runs on views: no copy. Asynchronous on `stream`, as Conv2dKernel."""
+
+    def __init__(self, conv: Conv2dKernel) -> None:
+        s = conv.shape
+        if (s.in_h, s.in_w, s.kernel_h, s.kernel_w, s.groups) != (1, 1, 1, 1, 1) or s.padding != (0, 0):
+            raise ValueError(f"{conv.layer.name}: a Linear layer is a 1x1 conv on a 1x1 input without groups "
+                             f"or padding, got {s.describe()}")
+        if conv.epilogue.residual:
+            raise ValueError(f"{conv.layer.name}: a LinearKernel takes no residual")
+        self.conv = conv
+        self.name = conv.layer.name
+        self.in_features, self.out_features = s.in_channels, s.out_channels
+
+    @property
+    def backend(self) -> str:
+        return self.conv.backend
+
+    @property
+    def shape(self) -> Any:
+        return self.conv.shape
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        return self.conv.stats
+
+    @property
+    def device_id(self) -> int:
+        return self.conv.device_id
+
+    def output_shape(self, batch: int) -> Tuple[int, int]:
+        return (batch, self.out_features)
+
+    def __call__(self, x: Any, out: Any = None, stream: Any = None) -> Any:
+        import cupy
+
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) != 2:
+            raise ValueError(f"{self.name}: x must be 2-D (N, {self.in_features}), got shape {shape}"
+                             + ("; flatten it first, e.g. x.reshape(len(x), -1)" if len(shape) > 2 else ""))
+        if shape[1] != self.in_features:
+            raise ValueError(f"{self.name}: x has {shape[1]} features, this layer takes {self.in_features}: "
+                             f"expected shape (N, {self.in_features}), got {shape}")
+        x = self.conv._as_cupy(x)
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{self.name}: x must be C-contiguous; use cupy.ascontiguousarray(x)")
+        n = x.shape[0]
+        out4 = None
+        if out is not None:
+            want = self.output_shape(n)
+            if not isinstance(out, cupy.ndarray):
+                raise TypeError(f"{self.name}: out must be a cupy.ndarray, got {type(out).__name__}")
+            if out.dtype != cupy.float32 or tuple(out.shape) != want or not out.flags.c_contiguous:
+                raise ValueError(f"{self.name}: out must be a C-contiguous float32 array of shape {want}, "
+                                 f"got {out.dtype} {tuple(out.shape)}")
+            out4 = out.reshape(n, self.out_features, 1, 1)  # a view: contiguous
+        y = self.conv(x.reshape(n, self.in_features, 1, 1), out=out4, stream=stream)
+        return out if out is not None else y.reshape(n, self.out_features)
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"LinearKernel({self.name}: {self.in_features} -> {self.out_features}, "
+                f"{s.get('nonzero_weights')}/{s.get('weights')} nonzero weights, "
+                f"{s.get('fmas_deleted')} FMAs deleted, backend {self.backend})")

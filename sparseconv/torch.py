@@ -26,14 +26,15 @@ import torch
 from torch import nn
 
 from .api import compile_layers
-from .fx import ConvPlan, FusedConv2d, conv_padding, plan, prepare, swap_modules
+from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, conv_padding, plan, prepare,
+                 swap_modules)
 from .routing import choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
-__all__ = ["sparsify", "plan", "ConvPlan", "FusedConv2d", "SparseConv2d", "CudaGraphModule", "conv_padding",
-           "route_from_choices"]  # route_from_choices: re-exported, it lives in sparseconv.routing
+__all__ = ["sparsify", "plan", "ConvPlan", "FusedConv2d", "FusedLinear", "SparseConv2d", "CudaGraphModule",
+           "conv_padding", "route_from_choices"]  # route_from_choices: re-exported, it lives in sparseconv.routing
 
 
 class CudaGraphModule(nn.Module):
@@ -88,21 +89,23 @@ def _host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if t is None else np.ascontiguousarray(t.detach().cpu().numpy(), dtype=np.float32)
 
 
-def _compile(convs: Dict[str, FusedConv2d], shapes: Dict[str, Any], *, tiling: Optional[str], backend: str,
+def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[str], backend: str,
              tune_batch: int, cache_dir: Optional[str], jobs: Optional[int], progress: bool) -> Dict[str, Any]:
-    """Compile every fused conv on the current GPU (name -> kernel), each with
-    its epilogue: one parallel build of every layer and batch variant; with
-    tiling/backend "auto", one tuned compile per layer."""
+    """Compile every fused conv and Linear on the current GPU (name -> kernel),
+    each with its epilogue: one parallel build of every layer and batch
+    variant; with tiling/backend "auto", one tuned compile per layer."""
     layers = [(name, _host(m.weight), _host(m.bias), shapes[name]) for name, m in convs.items()]
     epilogues = {name: Epilogue(activation=m.activation, clip=m.clip, residual=m.residual)
                  for name, m in convs.items()}
+    linears = {name for name, m in convs.items() if isinstance(m, FusedLinear)}
     return compile_layers(layers, tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                          jobs=jobs, progress=progress, epilogues=epilogues)
+                          jobs=jobs, progress=progress, epilogues=epilogues, linears=linears)
 
 
-def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device: torch.device,
+def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.device,
                    progress: bool = False) -> Dict[str, str]:
-    """Time each compiled conv at each batch size through both paths, its
+    """Time each compiled conv (FusedConv2d) or Linear (FusedLinear; the dense
+    path is cuBLAS's F.linear) at each batch size through both paths, its
     sparseconv kernel and cuDNN in strict fp32, epilogue included, by CUDA-graph
     replays; set its route so each batch size runs the faster one (a batch
     between two measured ones takes the nearer one's, geometrically).
@@ -120,7 +123,8 @@ def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device
         s = m.kernel.shape
 
         def time_both(b: int) -> Tuple[float, float]:
-            x = torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
+            x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
+                else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
             r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
             us = []
             for path in ("sparseconv", "dense"):
@@ -130,7 +134,9 @@ def route_by_batch(convs: Dict[str, FusedConv2d], batches: Sequence[int], device
 
         choice = choose_route(time_both, sizes)
         m.route = list(choice.route)
-        notes[name] = choice.describe()
+        # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
+        notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
+            else choice.describe()
     if progress and items:
         click.echo("", err=True)
     return notes
@@ -140,8 +146,10 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
              tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
              cache_dir: Optional[str] = None, jobs: Optional[int] = None, progress: bool = True,
              inplace: bool = False, fuse: bool = True, cuda_graph: bool = False,
-             route_batches: Optional[Sequence[int]] = (1, 64)) -> nn.Module:
-    """Return `model` with each eligible nn.Conv2d compiled to a sparseconv kernel.
+             route_batches: Optional[Sequence[int]] = (1, 64), linear: bool = True,
+             max_linear_weights: Optional[int] = MAX_LINEAR_WEIGHTS) -> nn.Module:
+    """Return `model` with each eligible nn.Conv2d (and pruned nn.Linear)
+    compiled to a sparseconv kernel.
 
     model and example_input must be on one CUDA device. Convs that are not
     float32, use a non-zero padding_mode, see several input sizes, or are less
@@ -165,9 +173,25 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     included, CUDA-graph replays), and each batch size then runs the faster
     path, so a layer is never slower by default than the exact cuDNN
     convolution at the sizes you name; the plan shows the times ("mixed":
-    the choice depends on the batch). None or () turns this off."""
+    the choice depends on the batch). None or () turns this off.
+
+    linear=True (default) also compiles each nn.Linear that is called once on
+    2-D (N, in_features) inputs and has at least max(min_sparsity, 0.5) of its
+    weights zero (api.LINEAR_MIN_SPARSITY: unpruned heads are left alone and
+    unlisted), with a following ReLU / ReLU6 / hardtanh / clamp fused, as a
+    1x1 conv on a 1x1 input (sparseconv.compile_linear); routed against
+    cuBLAS's F.linear in strict fp32 like the convs. Layers with more than
+    max_linear_weights weights (default 4,194,304: VGG-16's fc8 builds in 2
+    minutes on 2 cores, fc7 in 13) are kept, as are those over the build limits
+    (fc6); max_linear_weights=None lifts the first bound. The plan lists them
+    with kind "linear"."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
+    if not isinstance(linear, bool):
+        raise TypeError(f"sparsify: linear must be True or False, got {linear!r}")
+    if max_linear_weights is not None and (isinstance(max_linear_weights, bool) or
+                                           not isinstance(max_linear_weights, int) or max_linear_weights < 1):
+        raise ValueError(f"sparsify: max_linear_weights must be a positive int or None, got {max_linear_weights!r}")
     if route_batches is not None and (isinstance(route_batches, (str, bytes)) or not all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in route_batches)):
         raise ValueError(f"sparsify: route_batches must be positive batch sizes (e.g. (1, 64)) or None, "
@@ -180,7 +204,8 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     device = example_input.device
     if any(p.device != device for p in model.parameters()):
         raise ValueError(f"sparsify: every parameter of the model must be on {device}, like example_input")
-    front = prepare(model, example_input, min_sparsity=min_sparsity, fuse=fuse)
+    front = prepare(model, example_input, min_sparsity=min_sparsity, fuse=fuse,
+                    linear=LinearOptions(linear, max_linear_weights))
     result, convs = front.module, front.convs
     if inplace and not front.traced and not isinstance(model, nn.Conv2d):
         # The per-module path swapped a copy's convs: swap the model's own instead.
