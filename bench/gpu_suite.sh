@@ -15,5 +15,7 @@ run conv_b tests/test_gpu_conv.py -k "not benchmark_layer" &
 run torch tests/test_gpu_torch.py tests/test_gpu_network.py &
 run rest tests/test_gpu_tune.py tests/test_gpu_zoo.py tests/test_gpu_model.py tests/test_benchmark.py \
     tests/test_ptx_interpreter.py &
+run onnx tests/test_gpu_onnx.py tests/test_gpu_onnx_fuse.py tests/test_gpu_onnx_graph.py &
+run linear tests/test_gpu_linear.py &
 wait
 grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_*.log | head -40

@@ -27,7 +27,8 @@ from sparseconv.shapes import ConvShape
 FAMILY_LAYERS = {
     "family-pointwise-deep": ConvShape(512, 256, 7, 7, 1, 1),              # split at batch 1
     "family-pointwise-odd": ConvShape(37, 19, 11, 13, 1, 1, (2, 2), (1, 1)),  # padded chunks, stride, padding
-    "family-direct-split": ConvShape(128, 64, 7, 7, 3, 3, (1, 1), (1, 1)),  # split at batch 1
+    "family-pointwise-3x3": ConvShape(128, 64, 7, 7, 3, 3, (1, 1), (1, 1)),  # padding taps read the zero array
+    "family-direct-split": ConvShape(64, 64, 28, 28, 3, 3, (1, 1), (1, 1)),  # split at batch 1
 }
 
 

@@ -185,8 +185,10 @@ FAMILY_LAYERS = {
     "pointwise_deep_7x7": (2048, 512, 7, 7, 1, 1, (1, 1), (0, 0)),    # split variant at small batch
     "pointwise_padded": (24, 40, 9, 9, 1, 1, (1, 1), (1, 1)),
     "pointwise_odd_channels": (37, 19, 11, 13, 1, 1, (1, 1), (0, 0)),
-    "direct_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),        # split variant at small batch
-    "direct_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
+    "wide_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),          # 3x3 on the pointwise family, split
+    "wide_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
+    "wide_strided_14_to_7": (512, 512, 14, 14, 3, 3, (2, 2), (1, 1)),
+    "direct_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),          # split variant at small batch
 }
 
 
@@ -207,18 +209,17 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     bias = rng.standard_normal(s.out_channels).astype(np.float32)
     conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride, padding=s.padding,
                                      cache_dir=str(session_cache_dir), name=name)
-    if s.kernel_h == 1:
-        assert conv.layer.tiling.family == "pointwise"
+    assert conv.layer.tiling.family == ("direct" if name.startswith("direct") else "pointwise")
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:
         run_and_check(conv, w, bias, s, batch, rng)
-    if "deep" in name:
+    if "deep" in name or name == "direct_28x28":
         assert variants and variants[0]["up_to_batch"] >= 1, "a deep small layer gets a split variant"
 
 
 @pytest.mark.parametrize("activation,clip", [("relu", None), ("relu6", None), ("clip", (-0.3, 0.4))])
-@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "direct_14x14", "pointwise_56"])
+@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "wide_14x14", "direct_28x28", "pointwise_56"])
 def test_fused_epilogue_residual_and_activation(name, activation, clip, session_cache_dir):
     """y = act(conv(x) + bias + residual), against float64, through both
     variants of a split layer; residual may be the output buffer itself."""
