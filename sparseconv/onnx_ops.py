@@ -23,6 +23,63 @@ def host(a: Any) -> np.ndarray:
     return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
+# fp32 matrix product for a CUDA-graph capture, where CuPy refuses cuBLAS:
+# 16x16 output tiles per block, the K axis staged through shared memory,
+# batch on blockIdx.z. Each output sums its K products in order with fmaf.
+_MATMUL_SOURCE = r"""
+extern "C" __global__ void sc_matmul(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                                     int m, int n, int k) {
+    __shared__ float ta[16][17], tb[16][17];
+    const int bz = blockIdx.z, row = blockIdx.y * 16 + threadIdx.y, col = blockIdx.x * 16 + threadIdx.x;
+    a += (long long)bz * m * k; b += (long long)bz * k * n; c += (long long)bz * m * n;
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < k; k0 += 16) {
+        const int ka = k0 + threadIdx.x, kb = k0 + threadIdx.y;
+        ta[threadIdx.y][threadIdx.x] = (row < m && ka < k) ? a[(long long)row * k + ka] : 0.0f;
+        tb[threadIdx.y][threadIdx.x] = (kb < k && col < n) ? b[(long long)kb * n + col] : 0.0f;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 16; ++j) acc = fmaf(ta[threadIdx.y][j], tb[j][threadIdx.x], acc);
+        __syncthreads();
+    }
+    if (row < m && col < n) c[(long long)row * n + col] = acc;
+}
+"""
+_matmul_kernel: Any = None
+
+
+def matmul(xp: Any, a: Any, b: Any) -> Any:
+    """a @ b with NumPy semantics. On the GPU while a CUDA graph is being
+    captured (CuPy does not allow cuBLAS then), float32 operands go through
+    a small kernel of our own; otherwise xp's matmul (cuBLAS)."""
+    global _matmul_kernel
+    if xp is np or not hasattr(xp, "cuda"):
+        return xp.matmul(a, b)
+    if _matmul_kernel is None:  # compiled and loaded on the first (eager) GPU call, never inside a capture
+        _matmul_kernel = xp.RawKernel(_MATMUL_SOURCE, "sc_matmul")
+        _matmul_kernel.compile()
+    if not xp.cuda.get_current_stream().is_capturing() or a.dtype != np.float32 or b.dtype != np.float32:
+        return xp.matmul(a, b)
+    a2 = a.reshape(1, -1) if a.ndim == 1 else a
+    b2 = b.reshape(-1, 1) if b.ndim == 1 else b
+    batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    m, k, n = a2.shape[-2], a2.shape[-1], b2.shape[-1]
+    if b2.shape[-2] != k:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
+    count = int(np.prod(batch, dtype=np.int64))
+    aa = xp.ascontiguousarray(xp.broadcast_to(a2, batch + (m, k))).reshape(count, m, k)
+    bb = xp.ascontiguousarray(xp.broadcast_to(b2, batch + (k, n))).reshape(count, k, n)
+    out = xp.empty((count, m, n), dtype=xp.float32)
+    _matmul_kernel(((n + 15) // 16, (m + 15) // 16, count), (16, 16, 1), (aa, bb, out, np.int32(m), np.int32(n),
+                                                                         np.int32(k)))
+    out = out.reshape(batch + (m, n))
+    if a.ndim == 1:
+        out = out[..., 0, :]
+    if b.ndim == 1:
+        out = out[..., 0]
+    return out
+
+
 def is_host_int(a: Any) -> bool:
     """Shape arithmetic: int64 NumPy arrays, kept on the host."""
     return isinstance(a, np.ndarray) and a.dtype.kind in "iub"
@@ -154,7 +211,7 @@ def conv_transpose(xp: Any, x: Any, w: Any, b: Any, attrs: Dict[str, Any]) -> An
     wg = w.reshape(g, cg, kg, kh, kw)
     for r in range(kh):
         for s in range(kw):
-            tap = xp.matmul(wg[:, :, :, r, s].transpose(0, 2, 1), xg)  # (n, g, kg, h*w)
+            tap = matmul(xp, wg[:, :, :, r, s].transpose(0, 2, 1), xg)  # (n, g, kg, h*w)
             out[:, :, r * dh:r * dh + (h - 1) * sh + 1:sh, s * dw:s * dw + (wd - 1) * sw + 1:sw] += \
                 tap.reshape(n, g * kg, h, wd)
     out = out[:, :, top:full_h - bottom, left:full_w - right]

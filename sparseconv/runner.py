@@ -127,7 +127,7 @@ def _pool(xp: Any, x: Any, attrs: Dict[str, Any], reduce: str) -> Any:
 def _gemm(xp: Any, a: Any, b: Any, c: Any, attrs: Dict[str, Any]) -> Any:
     a = a.T if int(attrs.get("transA", 0)) else a
     b = b.T if int(attrs.get("transB", 0)) else b
-    y = float(attrs.get("alpha", 1.0)) * (a @ b)
+    y = float(attrs.get("alpha", 1.0)) * ops.matmul(xp, a, b)
     return y if c is None else y + float(attrs.get("beta", 1.0)) * c
 
 
@@ -212,7 +212,7 @@ OPS: Dict[str, Callable[..., Any]] = {
     "Flatten": lambda xp, n, x: x.reshape(int(np.prod(x.shape[:int(n.attrs.get("axis", 1))])), -1),
     "Reshape": lambda xp, n, x, shape: _reshape(x, _host_ints(shape), int(n.attrs.get("allowzero", 0))),
     "Gemm": lambda xp, n, a, b, c=None: _gemm(xp, a, b, c, n.attrs),
-    "MatMul": _binary(lambda a, b: a @ b),
+    "MatMul": lambda xp, n, a, b: _binary(lambda u, v: ops.matmul(xp, u, v))(xp, n, a, b),
     "Add": _binary(lambda a, b: a + b),
     "Sub": _binary(lambda a, b: a - b),
     "Mul": _binary(lambda a, b: a * b),

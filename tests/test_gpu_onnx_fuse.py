@@ -24,7 +24,7 @@ def test_compiled_fused_model_matches_the_unfused_float64_graph(tmp_path, sessio
     from sparseconv.runner import compile_model, load_program, run_reference
 
     path = toy(name, tmp_path)
-    model = compile_model(path, cache_dir=str(session_cache_dir))
+    model = compile_model(path, cache_dir=str(session_cache_dir), route_batches=None)  # fusion, not routing
     assert {n: layer.fused for n, layer in model.program.convs.items()} == EXPECTED[name]
     for conv, fused in EXPECTED[name].items():
         assert model.kernels[conv].epilogue.residual == ("add" in fused)

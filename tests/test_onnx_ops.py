@@ -341,3 +341,33 @@ def test_upsample_of_old_exports_matches_onnxruntime(tmp_path, mode):
     nodes.append(helper.make_node("Upsample", ["c", "scales"], ["out"], mode=mode))
     path = _save(tmp_path, nodes, inits, [2, 2, 3, 5], opset=9)
     _check(path, rng.standard_normal((2, 2, 3, 5)).astype(np.float32))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("a_shape, b_shape", [((5, 37), (37, 20)), ((2, 3, 17, 9), (9, 18)), ((33,), (33, 4)),
+                                              ((1, 19, 40), (3, 40, 1))])
+def test_capture_matmul_kernel_computes_numpys_matmul(a_shape, b_shape):
+    """The fp32 matmul kernel the GPU run uses inside a CUDA-graph capture
+    (CuPy refuses cuBLAS there), run in the PTX interpreter on the batched,
+    broadcast and partial-tile shapes matmul() hands it."""
+    from ptx_interpreter import run_kernel
+    from sparseconv.compile import compile_to_ptx
+    from sparseconv.onnx_ops import _MATMUL_SOURCE
+    from sparseconv.shapes import Target
+
+    rng = np.random.default_rng()
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    ref = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    a2 = a.reshape(1, -1) if a.ndim == 1 else a
+    batch = np.broadcast_shapes(a2.shape[:-2], b.shape[:-2])
+    m, k, n = a2.shape[-2], a2.shape[-1], b.shape[-1]
+    count = int(np.prod(batch, dtype=np.int64))
+    aa = np.ascontiguousarray(np.broadcast_to(a2, batch + (m, k))).reshape(count, m, k)
+    bb = np.ascontiguousarray(np.broadcast_to(b, batch + (k, n))).reshape(count, k, n)
+    out = np.full((count, m, n), np.nan, np.float32)
+    ptx = compile_to_ptx(_MATMUL_SOURCE, Target(), "the capture matmul")
+    run_kernel(ptx, "sc_matmul", ((n + 15) // 16, (m + 15) // 16, count), (16, 16, 1), [aa, bb, out, m, n, k])
+    y = out.reshape(batch + (m, n))
+    y = y[..., 0, :] if a.ndim == 1 else y
+    assert y.shape == ref.shape and relative_l2(y, ref) <= 1e-6
