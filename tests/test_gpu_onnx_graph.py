@@ -19,6 +19,17 @@ LENET = MODELS / "lenet_digits_pruned.onnx"
 DIGITS = MODELS / "digits_test.npz"
 
 
+
+def _same(graphed, eager):
+    """A replay computes what the eager run does, except that inside a capture
+    the dense Gemm/MatMul/ConvTranspose matmuls run our own fp32 kernel, not
+    cuBLAS (CuPy refuses cuBLAS there): the same sums in another order, so
+    equal to fp32 rounding, not bit for bit."""
+    import cupy as cp
+
+    assert graphed.shape == eager.shape
+    assert float(cp.linalg.norm(graphed - eager) / cp.linalg.norm(eager)) <= 1e-6
+
 def test_graph_replays_equal_eager_runs_on_two_shapes_and_kept_outputs_survive(session_cache_dir):
     pytest.importorskip("onnx")
     import cupy as cp
@@ -33,15 +44,15 @@ def test_graph_replays_equal_eager_runs_on_two_shapes_and_kept_outputs_survive(s
     for batch in (5, 5, 12, 5, 12):  # the second call of a shape replays its graph
         x = rng.random((batch, 1, 8, 8), dtype=cp.float32)
         y = graphed(x)
-        cp.testing.assert_array_equal(y, eager(x))
+        _same(y, eager(x))
         assert relative_l2(y.get(), run_reference(graphed.program, x)[0]) <= 1e-5
         kept.append((x, y))
     assert graphed.graph_notes == {(5, 1, 8, 8): "captured", (12, 1, 8, 8): "captured"}
     for x, y in kept:  # no later replay overwrote an output the caller kept
-        cp.testing.assert_array_equal(y, eager(x))
+        _same(y, eager(x))
     # A host (NumPy) input works the same way.
     xh = np.random.default_rng().random((5, 1, 8, 8), dtype=np.float32)
-    cp.testing.assert_array_equal(graphed(xh), eager(xh))
+    _same(graphed(xh), eager(xh))
     assert any(line.startswith("CUDA graph for input 5x1x8x8: captured") for line in graphed.plan)
 
 
@@ -63,7 +74,7 @@ def test_exported_families_are_captured_and_replay_like_eager(tmp_path, family):
     for seed in (11, 12, 13):
         x = inputs(3, seed=seed)
         y = graphed(x)
-        cp.testing.assert_array_equal(y, eager(x))
+        _same(y, eager(x))
         assert relative_l2(y.get(), onnxruntime_outputs(path, x)) <= 1e-5
     assert graphed.graph_notes == {tuple(x.shape): "captured"}, graphed.graph_notes
 
@@ -105,7 +116,7 @@ def test_routing_measures_every_conv_and_routed_layers_replay_in_the_graph(sessi
     for batch in (4, 16, 16, 4):
         x = rng.random((batch, 1, 8, 8), dtype=cp.float32)
         y = model(x)
-        cp.testing.assert_array_equal(y, eager(x))
+        _same(y, eager(x))
         assert relative_l2(y.get(), run_reference(model.program, x)[0]) <= 1e-5
     assert model.graph_notes == {(4, 1, 8, 8): "captured", (16, 1, 8, 8): "captured"}, model.graph_notes
 
