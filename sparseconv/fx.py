@@ -66,7 +66,54 @@ def act_forward(y: torch.Tensor, activation: str, clip: Optional[Tuple[float, fl
     return y
 
 
-class FusedConv2d(nn.Module):
+class _KernelNode(nn.Module):
+    """What FusedConv2d and FusedLinear share: the weight and bias buffers, the
+    activation, the compiled kernel once attached, the per-batch route between
+    it and the dense torch path, and the CuPy wrapper of torch's stream."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+                 clip: Optional[Tuple[float, float]], name: str, fused: Tuple[str, ...]) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if (activation == "clip") != (clip is not None):
+            raise ValueError(f"{name}: clip=(lo, hi) goes with activation='clip' and only with it")
+        # Buffers, not parameters: inference only, and .double()/.cuda() still convert them.
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.activation, self.clip = activation, clip
+        self.layer_name, self.fused = name, fused
+        self.kernel: Any = None      # the sparseconv kernel, attached after compiling
+        # (up to batch size, "sparseconv" or "dense"), ascending, the last for any
+        # batch: which path runs a CUDA input of that batch (set by
+        # sparseconv.torch.sparsify from measurements). Empty: the kernel always.
+        self.route: List[Tuple[int, str]] = []
+        self._streams: Dict[int, Any] = {}
+
+    def path(self, batch: int) -> str:
+        """"sparseconv" or "dense": the path a CUDA input of this batch size takes."""
+        for up_to, path in self.route:
+            if batch <= up_to:
+                return path
+        return "sparseconv"
+
+    def _cupy_stream(self, device: torch.device) -> Any:
+        from . import runtime
+
+        stream = torch.cuda.current_stream(device)
+        if stream.cuda_stream not in self._streams:  # cached: one wrapper per torch stream
+            self._streams[stream.cuda_stream] = runtime.as_cupy_stream(stream, device.index, self.layer_name)
+        return self._streams[stream.cuda_stream]
+
+    def _kernel_repr(self) -> str:
+        """extra_repr's tail: the kernel's backend and the route, where set."""
+        text = f", backend {self.kernel.backend}" if self.kernel is not None else ""
+        if self.route:
+            text += ", route " + ", ".join(f"<={u}: {p}" if u < 1 << 62 else f"else {p}" for u, p in self.route)
+        return text
+
+
+class FusedConv2d(_KernelNode):
     """conv (+ folded BN) + bias (+ residual) then an activation, as one node.
 
     forward(x, residual=None). With a compiled kernel attached (`.kernel`,
@@ -78,23 +125,9 @@ class FusedConv2d(nn.Module):
                  padding: Tuple[int, int], dilation: Tuple[int, int], groups: int, activation: str = "none",
                  clip: Optional[Tuple[float, float]] = None, residual: bool = False, name: str = "conv",
                  fused: Tuple[str, ...] = ()) -> None:
-        super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if (activation == "clip") != (clip is not None):
-            raise ValueError(f"{name}: clip=(lo, hi) goes with activation='clip' and only with it")
-        # Buffers, not parameters: inference only, and .double()/.cuda() still convert them.
-        self.register_buffer("weight", weight.detach().clone())
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        super().__init__(weight, bias, activation, clip, name, fused)  # .kernel: a Conv2dKernel
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
-        self.activation, self.clip, self.residual = activation, clip, residual
-        self.layer_name, self.fused = name, fused
-        self.kernel: Any = None      # a sparseconv Conv2dKernel, attached after compiling
-        # (up to batch size, "sparseconv" or "dense"), ascending, the last for any
-        # batch: which path runs a CUDA input of that batch (set by
-        # sparseconv.torch.sparsify from measurements). Empty: the kernel always.
-        self.route: List[Tuple[int, str]] = []
-        self._streams: Dict[int, Any] = {}
+        self.residual = residual
 
     def reference(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The chain in torch, in x's dtype."""
@@ -114,26 +147,11 @@ class FusedConv2d(nn.Module):
             return self._run_dense(x, residual)
         return self._run_kernel(x, residual)
 
-    def path(self, batch: int) -> str:
-        """"sparseconv" or "dense": the path a CUDA input of this batch size takes."""
-        for up_to, path in self.route:
-            if batch <= up_to:
-                return path
-        return "sparseconv"
-
     def _run_dense(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """cuDNN in strict fp32 (TF32 off whatever the global setting), where it
         measured faster than the kernel at this batch size."""
         with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
             return self.reference(x.detach(), None if residual is None else residual.detach())
-
-    def _cupy_stream(self, device: torch.device) -> Any:
-        from . import runtime
-
-        stream = torch.cuda.current_stream(device)
-        if stream.cuda_stream not in self._streams:  # cached: one wrapper per torch stream
-            self._streams[stream.cuda_stream] = runtime.as_cupy_stream(stream, device.index, self.layer_name)
-        return self._streams[stream.cuda_stream]
 
     def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         import cupy
@@ -171,14 +189,10 @@ class FusedConv2d(nn.Module):
     def extra_repr(self) -> str:
         text = (f"{self.layer_name}: {tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
                 f"dilation={self.dilation}, groups={self.groups}, fused={'+'.join(self.fused) or 'nothing'}")
-        if self.kernel is not None:
-            text += f", backend {self.kernel.backend}"
-        if self.route:
-            text += ", route " + ", ".join(f"<={u}: {p}" if u < 1 << 62 else f"else {p}" for u, p in self.route)
-        return text
+        return text + self._kernel_repr()
 
 
-class FusedLinear(nn.Module):
+class FusedLinear(_KernelNode):
     """An nn.Linear (+ a following ReLU / ReLU6 / hardtanh / clamp) as one node:
     y = act(x @ weight.T + bias) for x of shape (N, in_features).
 
@@ -193,24 +207,10 @@ class FusedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, activation: str = "none",
                  clip: Optional[Tuple[float, float]] = None, name: str = "linear",
                  fused: Tuple[str, ...] = ()) -> None:
-        super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if (activation == "clip") != (clip is not None):
-            raise ValueError(f"{name}: clip=(lo, hi) goes with activation='clip' and only with it")
+        super().__init__(weight, bias, activation, clip, name, fused)  # .kernel: a LinearKernel
         if weight.dim() != 2:
             raise ValueError(f"{name}: weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
-        self.register_buffer("weight", weight.detach().clone())
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = weight.shape
-        self.activation, self.clip = activation, clip
-        self.layer_name, self.fused = name, fused
-        self.kernel: Any = None      # a sparseconv LinearKernel, attached after compiling
-        self.route: List[Tuple[int, str]] = []
-        self._streams: Dict[int, Any] = {}
-
-    path = FusedConv2d.path
-    _cupy_stream = FusedConv2d._cupy_stream
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The chain in torch, in x's dtype."""
@@ -251,11 +251,7 @@ class FusedLinear(nn.Module):
     def extra_repr(self) -> str:
         text = (f"{self.layer_name}: {self.in_features} -> {self.out_features}, "
                 f"fused={'+'.join(self.fused) or 'nothing'}")
-        if self.kernel is not None:
-            text += f", backend {self.kernel.backend}"
-        if self.route:
-            text += ", route " + ", ".join(f"<={u}: {p}" if u < 1 << 62 else f"else {p}" for u, p in self.route)
-        return text
+        return text + self._kernel_repr()
 
 
 # -- eligibility ---------------------------------------------------------------------------------------------------
