@@ -18,8 +18,6 @@ from .compile import ToolNotFoundError, find_tool, run_tool
 from .ptx import parse_module
 from .shapes import Target
 
-PTXAS_FLAGS = ("-O3",)
-
 
 _CALL_RE = re.compile(r"\bcall(?:\.uni)?\s*(?:\([^)]*\)\s*,\s*)?([A-Za-z_$][\w$]*)")
 
@@ -53,12 +51,13 @@ def split_module(ptx: str) -> List[str]:
 
 
 def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None,
-                   max_registers: int = 255) -> bytes:
+                   max_registers: int = 255, opt_level: int = 3) -> bytes:
     """ptxas (+ nvlink): PTX text -> cubin bytes. Raises CompileError carrying the log.
     max_registers caps every function: separately compiled functions do not see
-    the entry's __launch_bounds__, and the kernel needs the most any of them uses."""
+    the entry's __launch_bounds__, and the kernel needs the most any of them uses.
+    opt_level is ptxas's -O level (Tiling.ptxas_level)."""
     ptxas = find_tool("ptxas")
-    flags = [f"-arch={target.arch}", *PTXAS_FLAGS, f"-maxrregcount={max_registers}"]
+    flags = [f"-arch={target.arch}", f"-O{opt_level}", f"-maxrregcount={max_registers}"]
     try:
         nvlink: Optional[Path] = find_tool("nvlink")
     except ToolNotFoundError:

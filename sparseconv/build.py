@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import __version__
-from .assemble import PTXAS_FLAGS, assemble_cubin, have_ptxas
+from .assemble import assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
@@ -141,7 +141,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
 
     use_ptxas = have_ptxas()
     suffix = ".cubin" if use_ptxas else ".ptx"
-    assembler = tool_identity("ptxas") + " ".join(PTXAS_FLAGS) if use_ptxas else "driver-jit"
+    assembler = tool_identity("ptxas") if use_ptxas else "driver-jit"  # its -O level is in repr(tiling)
     kkey = cache_key("kernel", tkey, SPECIALISER_FINGERPRINT, weight.tobytes(), repr(shape), repr(tiling), assembler)
 
     # Warm path: the index names the specialised PTX and artifact by the PTX's
@@ -161,7 +161,8 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     ptx_sha = hashlib.sha256(ptx.encode()).hexdigest()
 
     t = time.perf_counter()
-    artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers) if use_ptxas else ptx.encode()
+    artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers,
+                              opt_level=tiling.ptxas_level) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
     stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),

@@ -220,3 +220,20 @@ def test_building_imports_no_run_time_code():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_ptxas_level_is_part_of_the_tiling_and_of_the_cache_key(tmp_path):
+    """Tiling.ptxas_level reaches ptxas (-O1 keeps a pointwise chunk's loads
+    together) and names a cache entry of its own."""
+    shape = ConvShape(16, 8, 5, 5, 1, 1)
+    w = pruned_weight(np.random.default_rng(3), shape.weight_shape, 0.7)
+    cache = ArtifactCache(tmp_path)
+    t3 = Tiling(8, 8, 1, 32, family="pointwise", slices=2)
+    t1 = Tiling(8, 8, 1, 32, family="pointwise", slices=2, ptxas_level=1)
+    o3, o1 = build_conv2d(w, shape, tiling=t3, cache=cache), build_conv2d(w, shape, tiling=t1, cache=cache)
+    assert o1.stats["kernel_key"] != o3.stats["kernel_key"] and not o1.stats["kernel_cache_hit"]
+    assert o1.ptx_sha256 == o3.ptx_sha256                  # the same specialised PTX ...
+    if o1.artifact_suffix == ".cubin":
+        assert o1.artifact[:4] == b"\x7fELF" and o1.artifact != o3.artifact  # ... assembled differently
+    assert "ptxas -O1" in t1.describe() and "ptxas" not in t3.describe()
+    assert build_conv2d(w, shape, tiling=t1, cache=cache).stats["kernel_cache_hit"]

@@ -50,6 +50,8 @@ def test_tiling_records_refuse_what_no_template_serves():
         Tiling(8, 4, 2, 32, family="pointwise")
     with pytest.raises(ValueError, match="slices must be a positive int"):
         Tiling(8, 4, 1, 32, slices=0)
+    with pytest.raises(ValueError, match="ptxas_level must be 1, 2 or 3"):
+        Tiling(8, 4, 1, 32, ptxas_level=4)
     with pytest.raises(ValueError, match="at most 64 taps"):
         check_tiling(ConvShape(8, 8, 19, 19, 9, 9), Tiling(8, 1, 1, 32, family="pointwise"))
     check_tiling(ConvShape(8, 8, 9, 9, 3, 3), Tiling(8, 4, 1, 32, family="pointwise"))  # larger kernels: served
@@ -86,6 +88,9 @@ def test_split_variants_only_where_one_image_leaves_the_gpu_idle():
     assert split.slices & (split.slices - 1) == 0             # a power of two
     assert blocks_per_image(deep, split) * 1 <= TWO_WAVES
     assert 2048 // split.slices >= 128                         # enough channels per slice
+    assert split.ptxas_level == 1 and default_tiling(deep).ptxas_level == 3  # few warps: loads kept together
+    deep3x3 = ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1))
+    assert split_tiling(deep3x3, default_tiling(deep3x3)).ptxas_level == 3   # measured: no gain there
 
 
 def test_batch_variants_end_with_one_for_any_batch():

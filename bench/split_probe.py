@@ -1,0 +1,122 @@
+"""Where the time of a split-reduction (small batch) variant goes: for each
+layer and candidate pointwise tiling (k_block x threads x slices), the whole
+call (main kernel + ordered reduction), the main kernel alone, and the
+reduction kernel alone, timed by CUDA-graph replays at one batch size.
+
+    python bench/split_probe.py --layers resnet50:layer4.1.conv1 --cands default,default:O1,64x64x16:O1 --out probe.json
+
+A candidate "default" is the variant the rules build (shapes.batch_variants).
+With --no-time the script only runs each kernel a few times (for ncu).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from sparseconv.parallel import LayerJob, build_many
+from sparseconv.runtime import Conv2dKernel, _reduce_kernel
+from sparseconv.shapes import Target, batch_variants, check_tiling, default_tiling, pointwise_tiling
+from sparseconv.testing import pruned_weight
+from sparseconv.timing import cupy_graph, time_gpu
+from sparseconv.zoo import resnet50, vgg16
+
+
+def variant_for(shape, batch: int):
+    """The tiling the rules build for this batch size."""
+    for up_to, t in batch_variants(shape, default_tiling(shape)):
+        if batch <= up_to:
+            return t
+    raise AssertionError
+
+
+def parse_cand(shape, text: str, batch: int):
+    """"default" or k_block x threads x slices[x c_block], either with an
+    optional ":O<level>" (ptxas optimisation level)."""
+    text, _, level = text.partition(":O")
+    if text == "default":
+        t = variant_for(shape, batch)
+    else:
+        kb, threads, slices, *cb = (int(v) for v in text.split("x"))
+        t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
+        t = replace(t, c_block=cb[0]) if cb else t
+    return replace(t, ptxas_level=int(level)) if level else t
+
+
+def main() -> None:
+    import cupy
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
+    ap.add_argument("--cands", default="default", help="default and/or k_block x threads x slices[x c_block], each with an optional :O1/:O2, comma-separated")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--out", default="split_probe.json")
+    ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
+    args = ap.parse_args()
+    nets = {"resnet50": dict(resnet50()), "vgg16": dict(vgg16())}
+    rng = np.random.default_rng(0)
+    jobs, plan = [], []
+    for lname in args.layers.split(","):
+        net, name = lname.split(":")
+        shape = nets[net][name]
+        w = pruned_weight(rng, shape.weight_shape, 0.9)
+        for c in args.cands.split(","):
+            try:
+                t = parse_cand(shape, c, args.batch)
+                check_tiling(shape, t)
+            except ValueError as e:
+                print(f"skip {lname} {c}: {e}", file=sys.stderr)
+                continue
+            key = f"{lname}|{t.describe()}"
+            if key not in {j.name for j in jobs}:
+                jobs.append(LayerJob(key, w, shape, t))
+                plan.append((lname, c, shape, key))
+    t0 = time.time()
+    built = build_many(jobs, target=Target("sm_90"), progress=True)
+    print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    rows = []
+    n = args.batch
+    for lname, c, shape, key in plan:
+        layer = built[key]
+        x = cupy.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
+        out = cupy.empty((n, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
+        k = Conv2dKernel(layer, rng.standard_normal(shape.out_channels).astype(np.float32))
+        k(x, out=out)
+        _, _, fn = k.variant(n)
+        slices = layer.tiling.slices
+        ws = cupy.empty((slices,) + out.shape, cupy.float32) if slices > 1 else out
+
+        def main_only():
+            fn(layer.grid(n), (layer.tiling.threads, 1, 1),
+               (x, ws, k._bias, np.uint64(0), np.int32(n), np.int32(layer.chunks)), shared_mem=layer.shared_bytes)
+
+        def reduce_only():
+            total = out.size
+            _reduce_kernel(k.device_id)((min(-(-total // 256), 4096),), (256,),
+                                        (ws, out, np.uint64(0), np.int64(total), np.int32(slices), np.int32(0),
+                                         np.int32(0), np.float32(0), np.int32(0), np.float32(0)))
+        if args.no_time:
+            for _ in range(3):
+                k(x, out=out)
+            cupy.cuda.Device().synchronize()
+            continue
+        row = dict(layer=lname, cand=c, shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
+                   grid=list(layer.grid(n)), threads=layer.tiling.threads,
+                   cubin_bytes=layer.stats.get("artifact_bytes"),
+                   call_us=time_gpu(lambda: k(x, out=out), repeat=30, max_seconds=0.3, capture=cupy_graph).us,
+                   main_us=time_gpu(main_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us)
+        if slices > 1:
+            row["reduce_us"] = time_gpu(reduce_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us
+        rows.append(row)
+        print(f"{lname:26s} {c:12s} {layer.tiling.describe():64s} grid {row['grid']} call {row['call_us']:6.1f} "
+              f"main {row['main_us']:6.1f} reduce {row.get('reduce_us', 0):5.1f} us", flush=True)
+    if rows:
+        json.dump(rows, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
