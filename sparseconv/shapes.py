@@ -150,6 +150,7 @@ class Tiling:
     # sinks each global load of the pointwise body next to its first FMA,
     # leaving one or two loads in flight per warp; -O1 keeps the template's
     # order (a chunk's loads first), which is what a block with few warps needs.
+    # Without ptxas (PTX artifact, driver JIT) the driver's default applies.
     ptxas_level: int = 3
 
     def __post_init__(self) -> None:

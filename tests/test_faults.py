@@ -25,7 +25,7 @@ from sparseconv.cli import main
 from sparseconv.limits import MAX_BODY_COPIES, LimitError, check_layer
 from sparseconv.model import ModelError, load_model
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import ConvShape, shape_from_weight
+from sparseconv.shapes import ConvShape, Tiling, shape_from_weight
 
 from sparseconv.testing import pruned_weight
 
@@ -708,3 +708,12 @@ def test_bench_network_option_refuses_bad_input_with_usage_errors():
                           (["--network", "resnet50", "--variants", "eager fp16"], "unknown eager fp16")):
         r = runner.invoke(main, ["bench", *args])
         assert r.exit_code == 2 and message in r.output, (args, r.output)
+
+
+@pytest.mark.parametrize("level", [0, 4, 1.0, True, "1"])
+def test_a_bad_ptxas_level_is_refused_when_the_tiling_is_made(level):
+    """Tiling.ptxas_level reaches ptxas as -O<level>: anything but 1, 2 or 3
+    is refused in one line naming the field, before any build starts."""
+    with pytest.raises(ValueError, match=r"tiling\.ptxas_level must be") as err:
+        Tiling(8, 8, 1, 32, family="pointwise", ptxas_level=level)
+    assert "\n" not in str(err.value)
