@@ -56,12 +56,12 @@ def f32_literal(value: float) -> str:
 
 
 def epilogue_code(epilogue: Epilogue, indent: str = " " * 12) -> str:
-    """CUDA C applied to each output `v` (bias included) at offset `at`, before
-    the store: the residual add, then the activation as a clamp. A NaN stays
-    NaN, as in torch (comparisons with NaN are false)."""
+    """CUDA C applied to each output `v` before the store: the activation as a
+    clamp. `v` already holds conv + bias + residual: the templates start each
+    sum with bias + residual (HAS_RESIDUAL), so the residual's loads are all
+    in flight before the chunk loop instead of one at a time at the store.
+    A NaN stays NaN, as in torch (comparisons with NaN are false)."""
     lines = []
-    if epilogue.residual:
-        lines.append("v += residual[at];")
     lo, hi = epilogue.bounds
     if lo is not None:
         lines.append(f"v = v < {f32_literal(lo)} ? {f32_literal(lo)} : v;")
@@ -127,7 +127,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
         template_name=name, entry_name=ENTRY_NAME,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),
         epilogue_comment=epilogue.describe(), epilogue_code=epilogue_code(epilogue),
-        SLICES=tiling.slices, CHUNKS_PER_SLICE=n_chunks(shape, tiling),
+        HAS_RESIDUAL=int(epilogue.residual), SLICES=tiling.slices, CHUNKS_PER_SLICE=n_chunks(shape, tiling),
         K=shape.out_channels, C=shape.in_channels,
         K_PER_GROUP=shape.k_per_group, C_PER_GROUP=shape.c_per_group,
         KBLOCKS_PER_GROUP=n_kblocks(shape, tiling) // (shape.groups * tiling.slices),

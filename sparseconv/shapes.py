@@ -213,7 +213,8 @@ class Epilogue:
     """What a kernel does to each output at the store, after the bias: add a
     residual tensor of the output's shape (a ResNet shortcut), then an
     activation. Fusing these saves a pass over memory each. Exact fp32:
-    y = act(conv(x) + bias + residual)."""
+    y = act(conv(x) + bias + residual), each sum started at bias + residual
+    (a split reduction adds the residual after the slices instead)."""
 
     activation: str = "none"                       # one of ACTIVATIONS
     clip: Optional[Tuple[float, float]] = None     # (lo, hi), for activation "clip" only

@@ -108,7 +108,8 @@ def test_epilogue_records_and_their_code():
     assert Epilogue("relu6").bounds == (0.0, 6.0)
     assert Epilogue("clip", clip=(-float("inf"), 2)).bounds == (None, 2.0)
     code = epilogue_code(Epilogue("clip", clip=(-0.5, 0.7), residual=True))
-    assert "residual[at]" in code and "0xBF000000" in code  # -0.5, exact to the bit
+    assert "0xBF000000" in code and "0x3F333333" in code  # -0.5 and 0.7, exact to the bit
+    assert "residual" not in code  # the templates start each sum with it (HAS_RESIDUAL)
     assert Epilogue("relu6", residual=True).describe() == "bias + residual -> relu6"
 
 
