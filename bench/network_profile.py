@@ -6,9 +6,13 @@
   - routed sum: the per-layer times routing measured in isolation (each layer
     replayed back to back, the faster of its kernel and cuDNN fp32).
 Graph replay minus kernel sum is launch gaps; kernel sum minus routed sum is
-what a layer loses inside the network (caches no longer hot).
+what layers lose inside the network. Per layer, the kernel time inside the
+network (in_network_us); with --per-layer also each conv alone through both
+paths, hot (as routing times it) and with L2 flushed before each call, and
+its code size: do layers lose in the network what they lose cold?
 
     python bench/network_profile.py resnet50 --batch 1 --batch 64 --out prof.json
+    python bench/network_profile.py resnet50 --batch 1 --per-layer --out prof_b1.json
 
 Categories: "sparseconv" (our conv kernels), "reduce" (split reductions),
 "cudnn/cublas" (routed convs, Linear), "other" (pooling, copies, adds).
@@ -20,11 +24,12 @@ import json
 import re
 import time
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from sparseconv.benchmark.network import time_forward_us
+from sparseconv.fx import FusedConv2d, _KernelNode
 from sparseconv.torch import CudaGraphModule, sparsify
 from sparseconv.zoo_torch import build_network
 
@@ -40,29 +45,92 @@ def category(name: str) -> str:
     return "other"
 
 
+def attribute_kernels(kernels: Sequence[Tuple[str, float]], calls: Sequence[Tuple[str, str]]) -> Dict[str, float]:
+    """µs of each sparseconv-path layer inside the network: `kernels` is one
+    forward's (kernel name, µs) in launch order, `calls` the kernel nodes'
+    (layer, path) in call order. The i-th sc_conv2d kernel belongs to the i-th
+    call on the sparseconv path, and an sc_reduce_slices kernel to the
+    sc_conv2d kernel before it."""
+    ours = [name for name, path in calls if path == "sparseconv"]
+    convs = sum(1 for name, _ in kernels if name.startswith("sc_conv2d"))
+    if convs != len(ours):
+        raise ValueError(f"{convs} sc_conv2d kernels but {len(ours)} layers on the sparseconv path")
+    out: Dict[str, float] = {}
+    i = -1
+    for name, us in kernels:
+        if name.startswith("sc_conv2d"):
+            i += 1
+            out[ours[i]] = out.get(ours[i], 0.0) + us
+        elif name.startswith("sc_reduce") and i >= 0:
+            out[ours[i]] += us
+    return out
+
+
 def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str, object]:
+    calls: List[Tuple[str, str]] = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m.layer_name, m.path(len(args[0])))))
+             for m in net.modules() if isinstance(m, _KernelNode)]
     for _ in range(3):
         net(x)
     torch.cuda.synchronize()
+    calls.clear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(repeat):
             net(x)
         torch.cuda.synchronize()
+    for h in hooks:
+        h.remove()
     by_cat: Dict[str, float] = defaultdict(float)
     by_kernel: Dict[str, float] = defaultdict(float)
-    count = 0
-    events = prof.events()
-    for ev in events:
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = ev.device_time / repeat if hasattr(ev, "device_time") else ev.cuda_time / repeat
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    for ev in kernels:
+        us = ev.device_time / repeat
         by_cat[category(ev.name)] += us
         by_kernel[ev.name[:80]] += us
-        count += 1
-    return {"kernels_per_forward": count / repeat, "by_category_us": dict(by_cat),
+    # Per layer: the kernels of the last forward, matched to its calls.
+    per_forward = len(kernels) // repeat
+    last = [(ev.name, ev.device_time) for ev in kernels[-per_forward:]] if len(kernels) % repeat == 0 else []
+    in_network = attribute_kernels(last, calls[len(calls) - len(calls) // repeat:]) if last else {}
+    return {"kernels_per_forward": len(kernels) / repeat, "by_category_us": dict(by_cat),
             "kernel_sum_us": sum(by_cat.values()),
-            "top_kernels_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25])}
+            "top_kernels_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]),
+            "in_network_us": in_network}
+
+
+def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[str, Dict[str, float]]:
+    """Each kernel node alone at `batch`, through its kernel and through cuDNN
+    fp32: hot (graph replays back to back, as routing times it) and cold (L2
+    overwritten before each call: a graph of [flush, layer] minus one of
+    [flush]), with its code size (bytes of the variant's cubin)."""
+    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.timing import time_gpu, torch_graph
+
+    junk = torch.empty(32 << 20, device=device)  # 128 MB, over twice the H100's 50 MB L2
+
+    def flush() -> None:
+        junk.fill_(1.0)
+
+    def t(fn) -> float:
+        return time_gpu(fn, repeat=20, max_seconds=0.1, capture=torch_graph).us
+
+    flush_us = t(flush)
+    out: Dict[str, Dict[str, float]] = {}
+    for m in net.modules():
+        if not isinstance(m, FusedConv2d) or m.kernel is None or m.kernel.backend != "sparseconv":
+            continue
+        s = m.kernel.shape
+        x = torch.randn(batch, s.in_channels, s.in_h, s.in_w, device=device)
+        r = torch.randn(batch, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+        saved, row = m.route, {"code_bytes": float(len(m.kernel.variant(batch)[1].artifact))}
+        for path in ("sparseconv", "dense"):
+            m.route = [(ANY_BATCH, path)]
+            row[f"{path}_hot"] = t(lambda: m(x, r))
+            row[f"{path}_cold"] = t(lambda: (flush(), m(x, r))) - flush_us
+        m.route = saved
+        out[m.layer_name] = row
+    return out
 
 
 def routed_sum_us(plan: List[str], batch: int) -> float:
@@ -81,6 +149,8 @@ def main() -> None:
     ap.add_argument("network", choices=["resnet50", "vgg16"])
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--per-layer", action="store_true",
+                    help="also time every layer alone, hot and with L2 flushed, through both paths")
     args = ap.parse_args()
     batches = args.batch or [1, 64]
     dev = torch.device("cuda")
@@ -107,6 +177,16 @@ def main() -> None:
                 print(f"   {k:14s} {v:10,.1f}")
             for k, v in list(prof["top_kernels_us"].items())[:12]:
                 print(f"   {v:10,.1f}  {k}")
+            if args.per_layer:
+                alone = isolated_us(fast, b, dev)
+                prof["isolated_us"] = alone
+                print(f"   {'layer':28s} {'in net':>8s} {'ours hot':>9s} {'cold':>7s} {'cuDNN hot':>10s} {'cold':>7s}"
+                      f" {'code KB':>8s}")
+                for name, row in alone.items():
+                    net_us = prof["in_network_us"].get(name)
+                    print(f"   {name:28s} {'-' if net_us is None else f'{net_us:8.1f}':>8s} "
+                          f"{row['sparseconv_hot']:9.1f} {row['sparseconv_cold']:7.1f} {row['dense_hot']:10.1f} "
+                          f"{row['dense_cold']:7.1f} {row['code_bytes'] / 1024:8.0f}")
     for line in result["plan"]:
         print(line)
     if args.out:
