@@ -10,6 +10,7 @@ what layers lose inside the network. Per layer, the kernel time inside the
 network (in_network_us); with --per-layer also each conv alone through both
 paths, hot (as routing times it) and with L2 flushed before each call, and
 its code size: do layers lose in the network what they lose cold?
+(cold: L2 overwritten, then the layer's inputs read back, before each call)
 
     python bench/network_profile.py resnet50 --batch 1 --batch 64 --out prof.json
     python bench/network_profile.py resnet50 --batch 1 --per-layer --out prof_b1.json
@@ -100,22 +101,14 @@ def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str,
 
 
 def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[str, Dict[str, float]]:
-    """Each kernel node alone at `batch`, through its kernel and through cuDNN
-    fp32: hot (graph replays back to back, as routing times it) and cold (L2
-    overwritten before each call: a graph of [flush, layer] minus one of
-    [flush]), with its code size (bytes of the variant's cubin)."""
+    """Each conv alone at `batch`, through its kernel and through cuDNN fp32:
+    hot (graph replays back to back, as routing times it) and cold (L2
+    overwritten, then the inputs read back, before each call: timing.time_cold),
+    with its code size (bytes of the variant's cubin)."""
     from sparseconv.shapes import ANY_BATCH
-    from sparseconv.timing import time_gpu, torch_graph
+    from sparseconv.timing import time_cold, time_gpu, torch_graph
 
     junk = torch.empty(32 << 20, device=device)  # 128 MB, over twice the H100's 50 MB L2
-
-    def flush() -> None:
-        junk.fill_(1.0)
-
-    def t(fn) -> float:
-        return time_gpu(fn, repeat=20, max_seconds=0.1, capture=torch_graph).us
-
-    flush_us = t(flush)
     out: Dict[str, Dict[str, float]] = {}
     for m in net.modules():
         if not isinstance(m, FusedConv2d) or m.kernel is None or m.kernel.backend != "sparseconv":
@@ -123,11 +116,19 @@ def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[
         s = m.kernel.shape
         x = torch.randn(batch, s.in_channels, s.in_h, s.in_w, device=device)
         r = torch.randn(batch, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+
+        def cold_l2_hot_inputs() -> None:
+            junk.fill_(1.0)
+            for t in (x, r):
+                if t is not None:
+                    t.max()
+
         saved, row = m.route, {"code_bytes": float(len(m.kernel.variant(batch)[1].artifact))}
         for path in ("sparseconv", "dense"):
             m.route = [(ANY_BATCH, path)]
-            row[f"{path}_hot"] = t(lambda: m(x, r))
-            row[f"{path}_cold"] = t(lambda: (flush(), m(x, r))) - flush_us
+            row[f"{path}_hot"] = time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.1, capture=torch_graph).us
+            row[f"{path}_cold"] = time_cold(lambda: m(x, r), cold_l2_hot_inputs, repeat=20, max_seconds=0.1,
+                                            capture=torch_graph).us
         m.route = saved
         out[m.layer_name] = row
     return out

@@ -7,6 +7,8 @@ reduction kernel alone, timed by CUDA-graph replays at one batch size.
 
 A candidate "default" is the variant the rules build (shapes.batch_variants).
 With --no-time the script only runs each kernel a few times (for ncu).
+With --cold each call is also timed with L2 overwritten and x read back
+first, as a layer meets it inside a network (timing.time_cold).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, _reduce_kernel
 from sparseconv.shapes import Target, batch_variants, check_tiling, default_tiling, pointwise_tiling
 from sparseconv.testing import pruned_weight
-from sparseconv.timing import cupy_graph, time_gpu
+from sparseconv.timing import cupy_graph, time_cold, time_gpu
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -56,6 +58,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="split_probe.json")
     ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time each call with L2 overwritten first and x read back (as inside a network)")
     args = ap.parse_args()
     nets = {"resnet50": dict(resnet50()), "vgg16": dict(vgg16())}
     rng = np.random.default_rng(0)
@@ -80,6 +84,7 @@ def main() -> None:
     print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = []
     n = args.batch
+    flush = cupy.empty(32 << 20, cupy.float32)  # 128 MB, over twice the H100's 50 MB L2
     for lname, c, shape, key in plan:
         layer = built[key]
         x = cupy.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
@@ -111,9 +116,13 @@ def main() -> None:
                    main_us=time_gpu(main_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us)
         if slices > 1:
             row["reduce_us"] = time_gpu(reduce_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us
+        if args.cold:
+            row["call_cold_us"] = time_cold(lambda: k(x, out=out), lambda: (flush.fill(1.0), x.max()), repeat=30,
+                                            max_seconds=0.3, capture=cupy_graph).us
         rows.append(row)
-        print(f"{lname:26s} {c:12s} {layer.tiling.describe():64s} grid {row['grid']} call {row['call_us']:6.1f} "
-              f"main {row['main_us']:6.1f} reduce {row.get('reduce_us', 0):5.1f} us", flush=True)
+        cold = f" cold {row['call_cold_us']:6.1f}" if args.cold else ""
+        print(f"{lname:26s} {c:12s} {layer.tiling.describe():64s} grid {row['grid']} call {row['call_us']:6.1f}"
+              f"{cold} main {row['main_us']:6.1f} reduce {row.get('reduce_us', 0):5.1f} us", flush=True)
     if rows:
         json.dump(rows, open(args.out, "w"), indent=1)
 

@@ -7,7 +7,7 @@ so importing this module needs no GPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -73,6 +73,18 @@ def time_gpu(launch: Launch, *, repeat: int, max_seconds: float, capture: Option
         return timing
     graph_us = float(np.median(g.gpu_times[0]) * 1e6) / k
     return Timing(graph_us, "graph", events_us, host_us, graph_us, k)
+
+
+def time_cold(launch: Launch, prepare: Launch, *, repeat: int, max_seconds: float,
+              capture: Optional[Capture]) -> Timing:
+    """time_gpu of `launch` with `prepare` run before every call (an L2 flush,
+    say), net of `prepare`'s own time: [prepare, launch] minus [prepare]."""
+    both = time_gpu(lambda: (prepare(), launch()), repeat=repeat, max_seconds=max_seconds, capture=capture)
+    alone = time_gpu(prepare, repeat=repeat, max_seconds=max_seconds, capture=capture)
+    return replace(both, us=max(both.us - alone.us, 0.0), events_us=max(both.events_us - alone.events_us, 0.0),
+                   graph_us=None if both.graph_us is None or alone.graph_us is None
+                   else max(both.graph_us - alone.graph_us, 0.0),
+                   note="; ".join(n for n in (both.note, alone.note) if n))
 
 
 def cupy_graph(launch: Launch, k: int) -> Launch:

@@ -1,0 +1,32 @@
+"""CPU: the arithmetic of sparseconv.timing that does not need a GPU."""
+from sparseconv import timing
+from sparseconv.timing import Timing, time_cold
+
+
+def test_cold_timing_runs_the_preparation_first_and_subtracts_it(monkeypatch):
+    """time_cold times [prepare, launch] and [prepare] alone; the launch's time
+    is the difference. time_gpu stands in with a clock of fixed costs: the
+    GPU timing itself cannot run here."""
+    calls = []
+    cost = {"flush": 40.0, "layer": 7.5}
+
+    def fake_time_gpu(launch, *, repeat, max_seconds, capture):
+        calls.clear()
+        launch()
+        us = sum(cost[c] for c in calls)
+        return Timing(us, "graph", us + 1.0, 3.0, us, 4, note="")
+
+    monkeypatch.setattr(timing, "time_gpu", fake_time_gpu)
+    order = []
+
+    def flush():
+        calls.append("flush")
+        order.append("flush")
+
+    def layer():
+        calls.append("layer")
+        order.append("layer")
+
+    t = time_cold(layer, flush, repeat=5, max_seconds=0.1, capture=None)
+    assert order == ["flush", "layer", "flush"]  # [flush, layer], then [flush] alone
+    assert t.us == t.graph_us == 7.5 and t.events_us == 7.5 and t.method == "graph"
