@@ -106,7 +106,7 @@ def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[
     overwritten, then the inputs read back, before each call: timing.time_cold),
     with its code size (bytes of the variant's cubin)."""
     from sparseconv.shapes import ANY_BATCH
-    from sparseconv.timing import time_cold, time_gpu, torch_graph
+    from sparseconv.timing import l2_flush, time_cold, time_gpu, torch_graph
 
     junk = torch.empty(32 << 20, device=device)  # 128 MB, over twice the H100's 50 MB L2
     out: Dict[str, Dict[str, float]] = {}
@@ -117,17 +117,11 @@ def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[
         x = torch.randn(batch, s.in_channels, s.in_h, s.in_w, device=device)
         r = torch.randn(batch, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
 
-        def cold_l2_hot_inputs() -> None:
-            junk.fill_(1.0)
-            for t in (x, r):
-                if t is not None:
-                    t.max()
-
         saved, row = m.route, {"code_bytes": float(len(m.kernel.variant(batch)[1].artifact))}
         for path in ("sparseconv", "dense"):
             m.route = [(ANY_BATCH, path)]
             row[f"{path}_hot"] = time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.1, capture=torch_graph).us
-            row[f"{path}_cold"] = time_cold(lambda: m(x, r), cold_l2_hot_inputs, repeat=20, max_seconds=0.1,
+            row[f"{path}_cold"] = time_cold(lambda: m(x, r), l2_flush(junk, x, r), repeat=20, max_seconds=0.1,
                                             capture=torch_graph).us
         m.route = saved
         out[m.layer_name] = row

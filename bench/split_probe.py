@@ -24,7 +24,7 @@ from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, _reduce_kernel
 from sparseconv.shapes import Target, batch_variants, check_tiling, default_tiling, pointwise_tiling
 from sparseconv.testing import pruned_weight
-from sparseconv.timing import cupy_graph, time_cold, time_gpu
+from sparseconv.timing import cupy_graph, l2_flush, time_cold, time_gpu
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -54,7 +54,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
-    ap.add_argument("--cands", default="default", help="default and/or k_block x threads x slices[x c_block], each with an optional :O1/:O2, comma-separated")
+    ap.add_argument("--cands", default="default",
+                    help="default and/or k_block x threads x slices[x c_block], each with an optional :O1/:O2, "
+                         "comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="split_probe.json")
     ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
@@ -117,7 +119,7 @@ def main() -> None:
         if slices > 1:
             row["reduce_us"] = time_gpu(reduce_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us
         if args.cold:
-            row["call_cold_us"] = time_cold(lambda: k(x, out=out), lambda: (flush.fill(1.0), x.max()), repeat=30,
+            row["call_cold_us"] = time_cold(lambda: k(x, out=out), l2_flush(flush, x), repeat=30,
                                             max_seconds=0.3, capture=cupy_graph).us
         rows.append(row)
         cold = f" cold {row['call_cold_us']:6.1f}" if args.cold else ""

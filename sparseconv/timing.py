@@ -87,6 +87,22 @@ def time_cold(launch: Launch, prepare: Launch, *, repeat: int, max_seconds: floa
                    note="; ".join(n for n in (both.note, alone.note) if n))
 
 
+def l2_flush(scratch: Any, *inputs: Any) -> Launch:
+    """A `prepare` for time_cold that sets a layer up as a network would:
+    `scratch` (a CuPy array or torch tensor of over twice the L2) is
+    overwritten, which evicts the layer's code and weights, then each input
+    (None skipped) is read back, as the layer before would have left it."""
+    def prepare() -> None:
+        if hasattr(scratch, "fill_"):  # torch
+            scratch.fill_(1.0)
+        else:                          # CuPy (or NumPy)
+            scratch.fill(1.0)
+        for t in inputs:
+            if t is not None:
+                t.max()
+    return prepare
+
+
 def cupy_graph(launch: Launch, k: int) -> Launch:
     """Capture k launches on a CuPy stream. Every allocation made during the
     capture is kept alive with the graph, whose replays reuse those addresses."""

@@ -1,6 +1,8 @@
 """CPU: the arithmetic of sparseconv.timing that does not need a GPU."""
 from sparseconv import timing
-from sparseconv.timing import Timing, time_cold
+import numpy as np
+
+from sparseconv.timing import Timing, l2_flush, time_cold
 
 
 def test_cold_timing_runs_the_preparation_first_and_subtracts_it(monkeypatch):
@@ -30,3 +32,11 @@ def test_cold_timing_runs_the_preparation_first_and_subtracts_it(monkeypatch):
     t = time_cold(layer, flush, repeat=5, max_seconds=0.1, capture=None)
     assert order == ["flush", "layer", "flush"]  # [flush, layer], then [flush] alone
     assert t.us == t.graph_us == 7.5 and t.events_us == 7.5 and t.method == "graph"
+
+
+def test_l2_flush_overwrites_the_scratch_and_leaves_the_inputs():
+    """The real helper on NumPy arrays (same fill / max interface as CuPy)."""
+    scratch = np.zeros(1000, np.float32)
+    x = np.arange(6, dtype=np.float32)
+    l2_flush(scratch, x, None)()
+    assert (scratch == 1.0).all() and (x == np.arange(6)).all()
