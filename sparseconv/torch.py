@@ -109,11 +109,20 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     sparseconv kernel and cuDNN in strict fp32, epilogue included, by CUDA-graph
     replays; set its route so each batch size runs the faster one (a batch
     between two measured ones takes the nearer one's, geometrically).
-    Returns name -> the measurements and the choice, as text for the plan."""
+    Returns name -> the measurements and the choice, as text for the plan.
+
+    Each call is timed as a network would meet it: L2 overwritten first (our
+    kernel's code and cuDNN's weights no longer in it), then the inputs read
+    back in, as the layer before would have left them. Replayed back to back
+    instead, a kernel's code stays in L2, and ResNet-50's batch-1 convs summed
+    to 650 us alone but took 1,163 us inside the network
+    (bench/network_profile.py, docs/PERFORMANCE.md)."""
     import click
 
-    from .timing import time_gpu, torch_graph
+    from .timing import l2_flush, time_cold, torch_graph
 
+    props = torch.cuda.get_device_properties(device)
+    flush = torch.empty(2 * getattr(props, "L2_cache_size", 64 << 20) // 4, device=device)  # twice L2, in floats
     sizes = sorted(set(int(b) for b in batches))
     notes: Dict[str, str] = {}
     items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]
@@ -129,7 +138,8 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             us = []
             for path in ("sparseconv", "dense"):
                 m.route = [(ANY_BATCH, path)]
-                us.append(time_gpu(lambda: m(x, r), repeat=20, max_seconds=0.2, capture=torch_graph).us)
+                us.append(time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                                    capture=torch_graph).us)
             return us[0], us[1]
 
         choice = choose_route(time_both, sizes)
