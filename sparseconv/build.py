@@ -19,8 +19,8 @@ from .assemble import assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
-from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, n_chunks, n_kblocks,
-                     patch_buffer_bytes)
+from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, max_batch_per_launch,
+                     n_chunks, n_kblocks, patch_buffer_bytes)
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key
@@ -73,11 +73,8 @@ class CompiledLayer:
 
     @property
     def max_batch_per_launch(self) -> int:
-        """Images one launch may take: gridDim.z for the direct family; for the
-        pointwise family, the batch's pixels must index as a 32-bit int."""
-        if self.tiling.family == "pointwise":
-            return max(1, (2**31 - 1) // (self.shape.out_h * self.shape.out_w))
-        return 65535
+        """Images one launch may take (shapes.max_batch_per_launch)."""
+        return max_batch_per_launch(self.shape, self.tiling)
 
     @property
     def kblocks(self) -> int:

@@ -5,9 +5,10 @@ import math
 import pytest
 
 from sparseconv.render import epilogue_code, render, template_name
-from sparseconv.shapes import (ANY_BATCH, MAX_SPLIT_BATCH, ONE_WAVE, TWO_WAVES, ConvShape, Epilogue, Tiling,
-                               batch_variants, blocks_per_image, check_tiling, default_tiling, launch_grid,
-                               n_chunks, n_kblocks, padded_channels, patch_buffer_bytes, pointwise_tiling,
+from sparseconv.shapes import (ANY_BATCH, L2_GROUP_BYTES, MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE, TWO_WAVES,
+                               ConvShape, Epilogue, Tiling, batch_variants, blocks_per_image, check_tiling,
+                               default_tiling, launch_grid, max_batch_per_launch, n_chunks, n_kblocks,
+                               padded_channels, patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling,
                                split_tiling)
 from sparseconv.zoo import resnet50, vgg16
 
@@ -75,6 +76,46 @@ def test_launch_grids_of_both_families():
     d = ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1))
     td = Tiling(4, 2, 4, 7, 1, 1, slices=2)
     assert launch_grid(d, td, 3) == (2, 2 * 2, 3)
+
+
+def test_pointwise_grids_group_pixel_blocks_within_the_l2_budget():
+    """ResNet-50's layer2.0.downsample at batch 64: 256 input channels x 256
+    pixels x stride 2 is 512 KB of input per pixel block, so 16 blocks a group
+    (8 MB); the group's blocks go through all 8 k-blocks before the next group."""
+    s = ConvShape(256, 512, 56, 56, 1, 1, (2, 2))
+    t = default_tiling(s)
+    assert (t.family, t.tile_w, n_kblocks(s, t)) == ("pointwise", 256, 8)
+    assert pixel_group(s, t) == L2_GROUP_BYTES // (256 * 256 * 2 * 4) == 16
+    blocks = pixel_blocks(s, t, 64)
+    assert launch_grid(s, t, 64) == (16, 8, -(-blocks // 16))
+    assert launch_grid(s, t, 1)[0] == pixel_blocks(s, t, 1) < 16  # one small batch: one group
+
+
+def test_pointwise_grids_without_k_blocks_to_share_have_no_groups_and_few_extra_blocks():
+    """One k-block reads the input once whatever the order, so no groups (and no
+    block past the batch: one extra block can add a wave). Elsewhere the groups
+    are of nearly equal size."""
+    s = ConvShape(512, 128, 28, 28, 1, 1)  # ResNet-50's layer2.1.conv1
+    t = default_tiling(s)
+    assert n_kblocks(s, t) == 1 and launch_grid(s, t, 64) == (pixel_blocks(s, t, 64), 1, 1)
+    s = ConvShape(512, 1024, 28, 28, 1, 1, (2, 2))  # layer3.0.downsample
+    t = default_tiling(s)
+    for n in (7, 33, 64):
+        gx, _, gz = launch_grid(s, t, n)
+        assert gx <= pixel_group(s, t) and 0 <= gx * gz - pixel_blocks(s, t, n) < gz
+
+
+@pytest.mark.parametrize("shape", [ConvShape(64, 256, 56, 56, 1, 1), ConvShape(2048, 512, 7, 7, 1, 1),
+                                   ConvShape(3, 8, 1024, 1024, 1, 1), ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1))])
+def test_the_largest_launch_fits_cuda_and_32_bit_pixel_indices(shape):
+    t = default_tiling(shape)
+    if t.family != "pointwise":
+        t = pointwise_tiling(shape, 64, 1, 128)
+    n = max_batch_per_launch(shape, t)
+    gx, _, gz = launch_grid(shape, t, n)
+    assert gz <= MAX_GRID_Z and gx * gz * t.tile_w <= 2**31 - 1
+    gx2, _, gz2 = launch_grid(shape, t, 2 * n)  # twice that breaks a limit
+    assert gz2 > MAX_GRID_Z or gx2 * gz2 * t.tile_w > 2**31 - 1 - gx2 * t.tile_w
 
 
 def test_split_variants_only_where_one_image_leaves_the_gpu_idle():

@@ -7,7 +7,7 @@ import pytest
 
 import sparseconv
 from sparseconv.operators import benchmark_operators
-from sparseconv.shapes import Tiling
+from sparseconv.shapes import Tiling, pixel_blocks
 
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
@@ -183,6 +183,7 @@ FAMILY_LAYERS = {
     "pointwise_56": (64, 256, 56, 56, 1, 1, (1, 1), (0, 0)),          # ResNet layer1 1x1
     "pointwise_downsample_s2": (512, 1024, 28, 28, 1, 1, (2, 2), (0, 0)),
     "pointwise_deep_7x7": (2048, 512, 7, 7, 1, 1, (1, 1), (0, 0)),    # split variant at small batch
+    "pointwise_grouped_13x13": (1024, 256, 13, 13, 1, 1, (1, 1), (0, 0)),  # batch 33: L2 groups, one extra block
     "pointwise_padded": (24, 40, 9, 9, 1, 1, (1, 1), (1, 1)),
     "pointwise_odd_channels": (37, 19, 11, 13, 1, 1, (1, 1), (0, 0)),
     "wide_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),          # 3x3 on the pointwise family, split
@@ -214,6 +215,9 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:
         run_and_check(conv, w, bias, s, batch, rng)
+    if name == "pointwise_grouped_13x13":  # the batch-33 run had a block past the batch in its last group
+        gx, _, gz = conv.variant(33)[1].grid(33)
+        assert gz > 1 and gx * gz > pixel_blocks(s, conv.variant(33)[1].tiling, 33)
     if "deep" in name or name == "direct_28x28":
         assert variants and variants[0]["up_to_batch"] >= 1, "a deep small layer gets a split variant"
 

@@ -251,13 +251,20 @@ def family_template(name):
 def test_kernel_families_compute_the_convolution(name):
     """Every family, split or not, with its epilogue: specialised PTX run in
     the interpreter against the float64 reference of act(conv + bias + residual)."""
+    w, stats = check_family_layer(name, 3)
+    assert stats.fmas_deleted > 0 or not (w == 0).any()
+
+
+def check_family_layer(name, n):
+    """Run FAMILY_LAYERS[name] on n fresh random images in the interpreter and
+    check every output against float64; returns (weight, specialiser stats)."""
     rng = np.random.default_rng()
     rendered, tptx = family_template(name)
     shape, epilogue = rendered.shape, rendered.epilogue
     w = pruned_weight(rng, shape.weight_shape, 0.6)
     bias = rng.standard_normal(shape.out_channels).astype(np.float32)
-    x = rng.standard_normal((3, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
-    res = rng.standard_normal((3, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
+    x = rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    res = rng.standard_normal((n, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
         if epilogue.residual else None
     ptx, stats = specialise(tptx, rendered, w)
     y = run_ptx(ptx, rendered, x, bias, res)
@@ -265,7 +272,7 @@ def test_kernel_families_compute_the_convolution(name):
                          epilogue, res)
     assert not np.isnan(y).any(), "outputs left unwritten"
     assert relative_l2(y, ref) <= 1e-5
-    assert stats.fmas_deleted > 0 or not (w == 0).any()
+    return w, stats
 
 
 def test_slices_split_the_reduction_and_their_sum_is_the_convolution():
@@ -301,3 +308,22 @@ def test_a_slice_placement_bug_is_caught(monkeypatch):
     ptx, _ = specialise(tptx, rendered, w)
     y = run_ptx(ptx, rendered, x, np.zeros(shape.out_channels, np.float32))
     assert relative_l2(y, conv2d_reference(x, w, None, shape.stride, shape.padding)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["pw_residual_relu", "pw_stride2_split", "pw3x3_stride2_split"])
+def test_pointwise_groups_of_pixel_blocks_cover_the_batch(name, monkeypatch):
+    """The pointwise grid is (group, k-blocks, groups): with groups of two pixel
+    blocks and an odd number of blocks, the last group has a block past the
+    batch, which must store nothing, and every output is still written."""
+    import sparseconv.shapes as shapes
+
+    rendered, _ = family_template(name)
+    shape, t = rendered.shape, rendered.tiling
+    per_block = t.tile_w * shape.c_per_group * shape.stride[1] * 4
+    monkeypatch.setattr(shapes, "L2_GROUP_BYTES", 2 * per_block)
+    n = next(n for n in range(1, 64) if shapes.pixel_blocks(shape, t, n) % 2 == 1 and
+             shapes.pixel_blocks(shape, t, n) >= 3)  # an odd number of blocks: the last group has an extra one
+    blocks = shapes.pixel_blocks(shape, t, n)
+    grid = launch_grid(shape, t, n)
+    assert grid[0] == 2 and grid[2] == -(-blocks // 2) >= 2 and blocks % 2 == 1
+    check_family_layer(name, n)
