@@ -160,6 +160,9 @@ class Conv2dKernel:
         self._modules = [mod for _, _, (mod, _) in loaded]
         k = self.shape.out_channels
         self._bias = cupy.asarray(bias if bias is not None else np.zeros(k, np.float32), dtype=cupy.float32)
+        # Copied in on the current stream; the kernel may be called on another,
+        # non-blocking one, which would not wait for the copy.
+        cupy.cuda.get_current_stream().synchronize()
         self._workspace: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> partial sums of the slices
         self.stats = dict(self.layer.stats)
         if len(variants) > 1:

@@ -20,6 +20,8 @@ def run_and_check(conv, w, bias, shape, batch, rng, stream=None):
 
     x = cp.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32))
     out = cp.full(conv.output_shape(batch), np.nan, dtype=cp.float32)
+    if stream is not None:  # x and out were written on the current stream, which a non-blocking one does not wait for
+        cp.cuda.get_current_stream().synchronize()
     y = conv(x, out=out, stream=stream)
     assert y is out
     if stream is not None:
