@@ -634,7 +634,8 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
                   progress: bool = False) -> Tuple[Dict[str, RouteChoice], Dict[str, Any], str]:
     """Time each sparseconv kernel against cuDNN strict fp32 (a DenseConv2dKernel:
     the same call, bias and epilogue) at each batch size, by CUDA-graph replays
-    as the model runs them (CUDA events for both where a capture fails).
+    as the model runs them (CUDA events for both where a capture fails), with
+    L2 overwritten before each call, as inside a network.
     Returns (name -> RouteChoice, name -> the cuDNN kernel of each layer some
     batch size is routed to, a note). Without torch with CUDA nothing is timed:
     every conv keeps its kernel, and the note says so."""

@@ -180,7 +180,8 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
 
     route_batches (default 1 and 64): each compiled conv is timed at these
     batch sizes through its kernel and through cuDNN in strict fp32 (epilogue
-    included, CUDA-graph replays), and each batch size then runs the faster
+    included, CUDA-graph replays, L2 overwritten before each call as inside a
+    network), and each batch size then runs the faster
     path, so a layer is never slower by default than the exact cuDNN
     convolution at the sizes you name; the plan shows the times ("mixed":
     the choice depends on the batch). None or () turns this off.
