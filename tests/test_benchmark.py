@@ -175,9 +175,9 @@ def test_layer_classes_of_resnet50():
     layers = model_layers("resnet50")
     classes = [bm.layer_class(s, i == 0) for i, (_, s) in enumerate(layers)]
     counts = {c: classes.count(c) for c in set(classes)}
-    # stem; 16 bottlenecks x (1x1 in, 1x1 out) = 32 1x1; 13 stride-1 3x3; 3 strided 3x3 (v1.5) are "other";
+    # stem; 16 bottlenecks x (1x1 in, 1x1 out) = 32 1x1; 13 stride-1 3x3; 3 strided 3x3 (v1.5);
     # 4 downsamples, of which layer1's is stride 1 (a plain 1x1)
-    assert counts == {"stem": 1, "1x1": 33, "3x3": 13, "other": 3, "strided 1x1": 3}
+    assert counts == {"stem": 1, "1x1": 33, "3x3": 13, "strided 3x3": 3, "strided 1x1": 3}
     assert bm.layer_class(_shape(3, 64, 224, 3), first=False) == "stem"  # C <= 4 reads an image
     assert bm.layer_class(ConvShape(8, 8, 9, 9, 1, 3), first=False) == "other"  # 1x3 is no k x k
 

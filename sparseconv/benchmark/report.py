@@ -72,13 +72,14 @@ def geomean_speedups(rows: Sequence[BenchRow]) -> List[Dict[str, Any]]:
 
 def layer_class(shape: ConvShape, first: bool) -> str:
     """stem: the model's first conv or one reading <= 4 channels; 3x3: any square
-    k x k > 1 at stride 1; 1x1 at stride 1; strided 1x1 (downsample); other."""
+    k x k > 1 at stride 1; strided 3x3: the same at a larger stride; 1x1 at
+    stride 1; strided 1x1 (downsample); other (e.g. 1 x k)."""
     if first or shape.in_channels <= 4:
         return "stem"
     if shape.kernel_h == shape.kernel_w == 1:
         return "1x1" if shape.stride == (1, 1) else "strided 1x1"
-    if shape.kernel_h == shape.kernel_w and shape.stride == (1, 1):
-        return "3x3"
+    if shape.kernel_h == shape.kernel_w:
+        return "3x3" if shape.stride == (1, 1) else "strided 3x3"
     return "other"
 
 
@@ -179,7 +180,8 @@ def format_classes(classes: Sequence[Dict[str, Any]]) -> List[str]:
         return "-" if v is None else f"{v:.2f}"
 
     lines = ["Summed by layer class (us; x = summed cuDNN time / summed sparseconv time; stem: the first conv "
-             "or C <= 4; 3x3: any k x k > 1 at stride 1; - : a layer of the class has no time for it):", "",
+             "or C <= 4; 3x3: any k x k > 1 at stride 1, strided 3x3 at a larger one; - : a layer of the class "
+             "has no time for it):", "",
              "| class | N | layers | sparseconv | cuDNN fp32 | cuDNN TF32 | floor | x fp32 | x TF32 | /floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in classes:
