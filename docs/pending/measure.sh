@@ -3,11 +3,12 @@
 # one device call each (< 600 s on the H100 host). Results under $OUT.
 #   bash docs/pending/measure.sh layers    # each distinct ResNet-50 1x1 layer at batch 1, cold: main vs patch
 #   bash docs/pending/measure.sh network   # ResNet-50 with the patch, batch 1 and 64
+#   bash docs/pending/measure.sh deep3x3   # no patch: does the same fit hold for 3x3 on the pointwise family?
 # Each stage applies the patch to the working tree and reverts it at the end.
 set -u
 OUT=${OUT:-/tmp}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 SPARSECONV_CACHE_DIR=${SPARSECONV_CACHE_DIR:-/tmp/scc}
-stage=${1:?stage: layers or network}
+stage=${1:?stage: layers, network or deep3x3}
 patch=docs/pending/cold-split.patch
 
 apply() {  # [-R]: git apply works outside a repository too; patch(1) where git is missing
@@ -37,6 +38,15 @@ network)
     apply -R
     cat "$OUT/network_cold_split.md"
     ;;
+deep3x3)
+    # The patch leaves 3x3 layers alone; these candidates are its rule applied by hand
+    # (32 output channels a block, one pixel block, slices up to a wave), cold, at batch 1.
+    python bench/split_probe.py --layers resnet50:layer3.1.conv2 --cands default,32x224x4,32x224x8:O1,32x224x16:O1 \
+        --cold --out "$OUT/split_3x3_layer3.json" 2>/dev/null | cut -c1-30,100-
+    python bench/split_probe.py --layers resnet50:layer4.1.conv2 --cands default,32x64x4,32x64x8:O1 \
+        --cold --out "$OUT/split_3x3_layer4.json" 2>/dev/null | cut -c1-30,100-
+    python bench/code_per_block.py resnet50 --layers layer3.1.conv2,layer4.1.conv2 2>/dev/null
+    ;;
 *)
-    echo "stage must be layers or network"; exit 2 ;;
+    echo "stage must be layers, network or deep3x3"; exit 2 ;;
 esac
