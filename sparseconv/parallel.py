@@ -61,14 +61,19 @@ def _watch_parent(parent: int) -> None:
 
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Cancel what has not started and kill what has: used when the caller is
-    interrupted, so that no worker goes on building for a caller that left."""
+    interrupted or a layer failed, so that no worker goes on building for a
+    caller that left."""
     # The processes first: shutdown() forgets them. (_processes is private, but
     # the executor offers no public way to stop a running task.)
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for proc in procs:
         with contextlib.suppress(Exception):
             proc.kill()
-    pool.shutdown(wait=False, cancel_futures=True)
+    # Wait for the pool's manager thread (quick: its workers are dead). Left
+    # running, it may hold the pool's shutdown lock when the next build_many
+    # forks its workers; a worker that then garbage-collects this pool blocks
+    # on that lock forever (seen in CI: a failed compile, then the next one hung).
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:

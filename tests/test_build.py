@@ -1,6 +1,8 @@
 """CPU: the whole build pipeline with its cache (no GPU needed)."""
 import multiprocessing as mp
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,9 @@ def test_build_many_reports_a_tool_failure_in_a_worker(tmp_path, monkeypatch):
     with pytest.raises(CompileError, match="out of registers") as info:
         build_many([job], cache_dir=str(tmp_path / "cache"), workers=1, progress=False)
     assert "layer l0" in str(info.value)
+    # The failed pool is fully stopped: a manager thread left running could hold
+    # its lock when the next build forks, and that build's worker would hang.
+    assert not [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
 
 
 def test_compile_error_survives_pickling():
