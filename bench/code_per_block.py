@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import Target, batch_variants, default_tiling, launch_grid, n_kblocks
+from sparseconv.shapes import Target, launch_grid, n_kblocks, variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.zoo import resnet50, vgg16
 
@@ -37,8 +37,8 @@ def main() -> None:
     jobs = []
     for name in names:
         shape = layers[name]
-        tiling = next(t for up_to, t in batch_variants(shape, default_tiling(shape)) if args.batch <= up_to)
-        jobs.append(LayerJob(name, pruned_weight(rng, shape.weight_shape, args.sparsity), shape, tiling))
+        jobs.append(LayerJob(name, pruned_weight(rng, shape.weight_shape, args.sparsity), shape,
+                             variant_for_batch(shape, args.batch)))
     built = build_many(jobs, target=Target("sm_90"), cache_dir=args.cache_dir or tempfile.mkdtemp(), progress=True)
     rows = []
     print(f"| layer | tiling (batch {args.batch}) | blocks | k-block copies | code KB | KB per copy |")

@@ -4,11 +4,11 @@
   - kernel sum: every kernel of one eager forward (torch.profiler / CUPTI),
     by category and by kernel name;
   - routed sum: the per-layer times routing measured in isolation (each layer
-    replayed back to back, the faster of its kernel and cuDNN fp32).
+    alone with L2 overwritten first, the faster of its kernel and cuDNN fp32).
 Graph replay minus kernel sum is launch gaps; kernel sum minus routed sum is
 what layers lose inside the network. Per layer, the kernel time inside the
 network (in_network_us); with --per-layer also each conv alone through both
-paths, hot (as routing times it) and with L2 flushed before each call, and
+paths, hot (replayed back to back) and with L2 flushed before each call, and
 its code size: do layers lose in the network what they lose cold?
 (cold: L2 overwritten, then the layer's inputs read back, before each call)
 
@@ -102,13 +102,14 @@ def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str,
 
 def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[str, Dict[str, float]]:
     """Each conv alone at `batch`, through its kernel and through cuDNN fp32:
-    hot (graph replays back to back, as routing times it) and cold (L2
-    overwritten, then the inputs read back, before each call: timing.time_cold),
+    hot (graph replays back to back) and cold (as routing times it: L2
+    overwritten, then the inputs read back, before each call; timing.time_cold),
     with its code size (bytes of the variant's cubin)."""
     from sparseconv.shapes import ANY_BATCH
-    from sparseconv.timing import l2_flush, time_cold, time_gpu, torch_graph
+    from sparseconv.timing import l2_flush, l2_scratch_floats, time_cold, time_gpu, torch_graph
 
-    junk = torch.empty(32 << 20, device=device)  # 128 MB, over twice the H100's 50 MB L2
+    junk = torch.empty(l2_scratch_floats(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)),
+                       device=device)
     out: Dict[str, Dict[str, float]] = {}
     for m in net.modules():
         if not isinstance(m, FusedConv2d) or m.kernel is None or m.kernel.backend != "sparseconv":

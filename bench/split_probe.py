@@ -22,18 +22,10 @@ import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, _reduce_kernel
-from sparseconv.shapes import Target, batch_variants, check_tiling, default_tiling, pointwise_tiling
+from sparseconv.shapes import Target, check_tiling, pointwise_tiling, variant_for_batch
 from sparseconv.testing import pruned_weight
-from sparseconv.timing import cupy_graph, l2_flush, time_cold, time_gpu
+from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import resnet50, vgg16
-
-
-def variant_for(shape, batch: int):
-    """The tiling the rules build for this batch size."""
-    for up_to, t in batch_variants(shape, default_tiling(shape)):
-        if batch <= up_to:
-            return t
-    raise AssertionError
 
 
 def parse_cand(shape, text: str, batch: int):
@@ -41,7 +33,7 @@ def parse_cand(shape, text: str, batch: int):
     optional ":O<level>" (ptxas optimisation level)."""
     text, _, level = text.partition(":O")
     if text == "default":
-        t = variant_for(shape, batch)
+        t = variant_for_batch(shape, batch)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
@@ -86,7 +78,7 @@ def main() -> None:
     print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = []
     n = args.batch
-    flush = cupy.empty(32 << 20, cupy.float32)  # 128 MB, over twice the H100's 50 MB L2
+    flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
     for lname, c, shape, key in plan:
         layer = built[key]
         x = cupy.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))

@@ -40,7 +40,7 @@ from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, rea
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 from .routing import DENSE, SPARSE, RouteChoice, check_route_batches, choose_route
 from .runtime import DenseConv2dKernel
-from .timing import cupy_graph, l2_flush, time_cold
+from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
 
 
 @dataclass(frozen=True)
@@ -648,8 +648,7 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     device = cupy.cuda.Device().id
     # L2 overwritten, then the inputs read back, before every timed call: as a
     # network meets each layer (sparseconv.torch.route_by_batch says why).
-    l2 = cupy.cuda.Device().attributes.get("L2CacheSize", 64 << 20)
-    flush = cupy.empty(2 * l2 // 4, cupy.float32)
+    flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
     routes: Dict[str, RouteChoice] = {}
     dense: Dict[str, Any] = {}
     # convs only: a Linear kernel (program.linears) keeps its kernel

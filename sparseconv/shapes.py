@@ -562,6 +562,12 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
 
 
+def variant_for_batch(shape: ConvShape, batch: int) -> Tiling:
+    """The tiling a default build runs `batch` images with (batch_variants of
+    default_tiling)."""
+    return next(t for up_to, t in batch_variants(shape, default_tiling(shape)) if batch <= up_to)
+
+
 # (k_block, outputs per thread along W, threads, min_blocks), best first: the
 # default, then the runners-up of the same sweep, then the previous default.
 _CANDIDATES = ((32, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 2), (32, 1, 256, 1), (32, 2, 256, 2),

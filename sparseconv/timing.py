@@ -87,9 +87,15 @@ def time_cold(launch: Launch, prepare: Launch, *, repeat: int, max_seconds: floa
                    note="; ".join(n for n in (both.note, alone.note) if n))
 
 
+def l2_scratch_floats(l2_bytes: Optional[int]) -> int:
+    """float32 elements of a scratch buffer for l2_flush: twice the device's L2
+    (`l2_bytes`; 64 MB assumed where the device does not say)."""
+    return 2 * (l2_bytes or 64 << 20) // 4
+
+
 def l2_flush(scratch: Any, *inputs: Any) -> Launch:
     """A `prepare` for time_cold that sets a layer up as a network would:
-    `scratch` (a CuPy array or torch tensor of over twice the L2) is
+    `scratch` (a CuPy array or torch tensor of l2_scratch_floats floats) is
     overwritten, which evicts the layer's code and weights, then each input
     (None skipped) is read back, as the layer before would have left it."""
     def prepare() -> None:

@@ -119,10 +119,10 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     (bench/network_profile.py, docs/PERFORMANCE.md)."""
     import click
 
-    from .timing import l2_flush, time_cold, torch_graph
+    from .timing import l2_flush, l2_scratch_floats, time_cold, torch_graph
 
-    props = torch.cuda.get_device_properties(device)
-    flush = torch.empty(2 * getattr(props, "L2_cache_size", 64 << 20) // 4, device=device)  # twice L2, in floats
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+    flush = torch.empty(l2_scratch_floats(l2), device=device)
     sizes = sorted(set(int(b) for b in batches))
     notes: Dict[str, str] = {}
     items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]

@@ -161,3 +161,12 @@ def test_each_family_renders_its_own_template():
     assert len(r.placeholders) == 8 * 4
     d = render(ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)), Tiling(4, 2, 4, 7, slices=2))
     assert template_name("direct") in d.source and "#define SLICES         2" in d.source
+
+
+def test_variant_for_batch_picks_the_split_variant_only_for_small_batches():
+    from sparseconv.shapes import variant_for_batch
+
+    deep = ConvShape(2048, 512, 7, 7, 1, 1)
+    (up_to, split), (_, full) = batch_variants(deep, default_tiling(deep))
+    assert variant_for_batch(deep, 1) == split and variant_for_batch(deep, up_to) == split
+    assert variant_for_batch(deep, up_to + 1) == full == default_tiling(deep)

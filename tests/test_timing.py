@@ -40,3 +40,10 @@ def test_l2_flush_overwrites_the_scratch_and_leaves_the_inputs():
     x = np.arange(6, dtype=np.float32)
     l2_flush(scratch, x, None)()
     assert (scratch == 1.0).all() and (x == np.arange(6)).all()
+
+
+def test_the_flush_scratch_is_twice_the_l2():
+    from sparseconv.timing import l2_scratch_floats
+
+    assert l2_scratch_floats(50 << 20) * 4 == 100 << 20  # the H100's 50 MB L2
+    assert l2_scratch_floats(None) * 4 == 128 << 20       # a device that does not say: 64 MB assumed
