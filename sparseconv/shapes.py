@@ -500,15 +500,53 @@ def blocks_per_image(shape: ConvShape, tiling: Tiling) -> float:
     return math.ceil(shape.out_h / tiling.tile_h) * math.ceil(shape.out_w / tiling.tile_w) * kblocks
 
 
+# Inside a network a small-batch block fetches its k-block copy's code from
+# DRAM: by then L2 holds other layers' code. Timed that way (L2 overwritten
+# first), ResNet-50's 1x1 split variants took about 6 us + 0.42 us per KB of
+# code per block, at most one block per SM (bench/split_probe.py --cold,
+# docs/PERFORMANCE.md, session 8). So a small-image conv on the pointwise
+# family (1x1, and the deep 3x3 layers) takes the split with the least code
+# per block: one block of pixels where up to this many threads
+# cover an image, this many output channels a block (the per-block stores
+# and sums shrink with it), and as many slices as keep the blocks in a wave.
+COLD_SPLIT_MAX_THREADS = 256
+COLD_SPLIT_K_BLOCK = 32
+# Up to 28x28 outputs; measured cold at batch 1 (session 9): ResNet-50's 1x1
+# layers at 28x28 and below 1.0-3.1x faster than the old rule, layer3's 3x3
+# 1.4x, layer4's even. At 56x56 the slices' partial sums cost more than the
+# code saved (layer1.1.conv1 6.3 -> 9.6 us), so larger images keep the old rule.
+COLD_SPLIT_MAX_PIXELS = 1024
+
+
+def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
+    """The small-batch variant of a pointwise-family conv with a small image
+    (see COLD_SPLIT_K_BLOCK), or None where fewer than two slices fit."""
+    pixels = shape.out_h * shape.out_w
+    threads = min(COLD_SPLIT_MAX_THREADS, 32 * math.ceil(pixels / 32))
+    t = pointwise_tiling(shape, COLD_SPLIT_K_BLOCK, 1, threads)
+    blocks = math.ceil(pixels / threads) * n_kblocks(shape, t)
+    chunks = math.ceil(shape.c_per_group / t.c_block)
+    slices = 1
+    while slices * 2 <= chunks and blocks * slices * 2 <= ONE_WAVE:
+        slices *= 2
+    # ptxas -O1 for the reason split_tiling gives
+    return replace(t, slices=slices, ptxas_level=1) if slices >= 2 else None
+
+
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
-    GPU or the reduction is too short to split. Slices: the largest power of
-    two that keeps blocks within two waves and each slice at least the
-    minimum work (measured on the H100: batch 1, ResNet-50 and VGG-16 layers,
-    1.2-6x faster where it applies; bench/family_sweep.py)."""
+    GPU or the reduction is too short to split. Pointwise-family convs with
+    images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear layers, whose image
+    is one pixel): cold_pointwise_split. Otherwise slices: the
+    largest power of two that keeps blocks within two waves and each slice at
+    least the minimum work (measured on the H100: batch 1, ResNet-50 and
+    VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
+    if tiling.family == "pointwise" and 1 < shape.out_h * shape.out_w <= COLD_SPLIT_MAX_PIXELS:
+        small = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, min(tiling.threads, 128))
+        return cold_pointwise_split(shape) if blocks_per_image(shape, small) < ONE_WAVE else None
     if tiling.family == "pointwise" and tiling.threads > 128:
         # a small batch has few pixels: big blocks would idle most threads
         tiling = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, 128, tiling.min_blocks)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from sparseconv.render import epilogue_code, render, template_name
-from sparseconv.shapes import (ANY_BATCH, L2_GROUP_BYTES, MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE, TWO_WAVES,
+from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, L2_GROUP_BYTES, MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE,
                                ConvShape, Epilogue, Tiling, batch_variants, blocks_per_image, check_tiling,
                                default_tiling, launch_grid, max_batch_per_launch, n_chunks, n_kblocks,
                                padded_channels, patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling,
@@ -31,7 +31,9 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 64, 128, 4)
         split = split_tiling(shape, t)
-        assert split is not None and split.slices >= 16     # batch 1: the reduction split to fill the GPU
+        # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split)
+        assert split is not None and split.slices >= 8
+        assert ONE_WAVE // 2 < math.prod(launch_grid(shape, split, 1)) <= ONE_WAVE
     for shape in (ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
                   ConvShape(64, 64, 14, 14, 5, 5, (1, 1), (2, 2))):
         assert default_tiling(shape).family == "direct"
@@ -121,17 +123,34 @@ def test_the_largest_launch_fits_cuda_and_32_bit_pixel_indices(shape):
 def test_split_variants_only_where_one_image_leaves_the_gpu_idle():
     stem = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
     assert split_tiling(stem, default_tiling(stem)) is None   # too little work per output to split
-    big = ConvShape(64, 64, 56, 56, 1, 1)
+    big = ConvShape(64, 256, 112, 112, 1, 1)
     assert split_tiling(big, default_tiling(big)) is None     # one image fills the GPU
+    one_chunk = ConvShape(64, 64, 56, 56, 1, 1)
+    assert split_tiling(one_chunk, default_tiling(one_chunk)) is None  # one chunk of channels: nothing to split
+    # 56x56 (layer1.1.conv1): past COLD_SPLIT_MAX_PIXELS the old rule leaves it whole (measured faster cold)
+    wide = ConvShape(256, 64, 56, 56, 1, 1)
+    assert wide.out_h * wide.out_w > COLD_SPLIT_MAX_PIXELS and split_tiling(wide, default_tiling(wide)) is None
+
+
+def test_a_small_batch_1x1_takes_the_least_code_per_block():
+    """Cold, a split block's time follows its code bytes (COLD_SPLIT_K_BLOCK):
+    one block of pixels per image where the threads allow, 32 output channels
+    a block, and slices up to one wave."""
     deep = ConvShape(2048, 512, 7, 7, 1, 1)
     split = split_tiling(deep, default_tiling(deep))
-    assert split is not None and split.threads == 128         # small batches: small blocks
-    assert split.slices & (split.slices - 1) == 0             # a power of two
-    assert blocks_per_image(deep, split) * 1 <= TWO_WAVES
-    assert 2048 // split.slices >= 128                         # enough channels per slice
-    assert split.ptxas_level == 1 and default_tiling(deep).ptxas_level == 3  # few warps: loads kept together
-    deep3x3 = ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1))
-    assert split_tiling(deep3x3, default_tiling(deep3x3)).ptxas_level == 3   # measured: no gain there
+    assert (split.k_block, split.threads, split.ptxas_level) == (32, 64, 1)  # 49 pixels: one block of 64 threads
+    assert default_tiling(deep).ptxas_level == 3
+    blocks = launch_grid(deep, split, 1)
+    assert blocks == (1, 16 * split.slices, 1) and split.slices & (split.slices - 1) == 0
+    assert 16 * split.slices <= ONE_WAVE < 16 * split.slices * 2
+    # ResNet-50's layer3.x.conv3: the candidate measured fastest cold (12.9 us against 24.9, session 8)
+    s = ConvShape(256, 1024, 14, 14, 1, 1)
+    split = split_tiling(s, default_tiling(s))
+    assert (split.k_block, split.threads, split.slices, n_kblocks(s, split)) == (32, 224, 4, 128)
+    # A Linear layer (one pixel per image) keeps the channel-count rule
+    fc = ConvShape(4096, 1000, 1, 1, 1, 1)
+    split = split_tiling(fc, pointwise_tiling(fc, 64, 1, 32))
+    assert split is not None and (split.k_block, split.threads) == (64, 32)
 
 
 def test_batch_variants_end_with_one_for_any_batch():
