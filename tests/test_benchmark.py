@@ -184,6 +184,7 @@ def test_layer_classes_of_resnet50():
 
 def test_class_summary_sums_times_and_floors_per_class_and_batch():
     stem, c3, c1, down = _shape(3, 8, 16, 7, 2), _shape(8, 8, 8, 3), _shape(8, 16, 8, 1), _shape(8, 16, 8, 1, 2)
+    s3, odd = _shape(8, 8, 8, 3, 2), ConvShape(8, 8, 9, 9, 1, 3)
     rows = []
     for batch in (1, 64):
         f = 1 if batch == 1 else 10
@@ -193,11 +194,16 @@ def test_class_summary_sums_times_and_floors_per_class_and_batch():
                  _row("c.conv2", batch, None, {"sparseconv": 6.0 * f, "cudnn_fp32": 4.0 * f,
                                                "cudnn_tf32": 2.0 * f}, shape=c3, floor=1.0),
                  _row("b.conv3", batch, None, {"sparseconv": 5.0 * f, "cudnn_fp32": 5.0 * f}, shape=c1),
-                 _row("b.down", batch, None, {"sparseconv": 1.0 * f, "cudnn_fp32": 2.0 * f}, shape=down)]
+                 _row("b.down", batch, None, {"sparseconv": 1.0 * f, "cudnn_fp32": 2.0 * f}, shape=down),
+                 _row("d.conv2", batch, None, {"sparseconv": 1.0 * f, "cudnn_fp32": 3.0 * f}, shape=s3),
+                 _row("e.conv", batch, None, {"sparseconv": 1.0 * f, "cudnn_fp32": 1.0 * f}, shape=odd)]
     result = _result(rows)
     got = {(c["batch"], c["layer_class"]): c for c in result.classes}
     assert [(c["batch"], c["layer_class"]) for c in result.classes] == \
-        [(b, c) for b in (1, 64) for c in ("stem", "3x3", "1x1", "strided 1x1")]
+        [(b, c) for b in (1, 64) for c in ("stem", "3x3", "strided 3x3", "1x1", "strided 1x1", "other")]
+    # every layer is in exactly one class: none drops out of the summary
+    assert all(sum(c["layers"] for c in result.classes if c["batch"] == b) == 7 for b in (1, 64))
+    assert got[(64, "strided 3x3")]["x_cudnn_fp32"] == pytest.approx(3.0)
     three = got[(64, "3x3")]
     assert three["layers"] == 2 and three["sparseconv_us"] == pytest.approx(80.0)
     assert three["cudnn_fp32_us"] == pytest.approx(120.0) and three["cudnn_tf32_us"] == pytest.approx(60.0)

@@ -15,7 +15,8 @@ LABELS = {"sparseconv": "sparseconv", "cudnn_fp32": "cuDNN fp32", "cudnn_tf32": 
 SHORT = {"sparseconv": "sparseconv", "cudnn_fp32": "fp32", "cudnn_tf32": "TF32", "cublas_gemm": "GEMM",
          "cusparse_spmm": "SpMM"}
 # The layer classes of the --model summary, in print order (issue 12: each class calls for its own kernel).
-LAYER_CLASSES = ("stem", "3x3", "1x1", "strided 1x1", "other")
+# The order of the summary; every class layer_class returns is here, so no layer drops out of it
+LAYER_CLASSES = ("stem", "3x3", "strided 3x3", "1x1", "strided 1x1", "other")
 CLASS_METHODS = ("sparseconv", "cudnn_fp32", "cudnn_tf32")
 
 
