@@ -3,6 +3,8 @@ option declarations and argument parsing that turn bad input into a click
 usage error (exit 2, one line)."""
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -11,6 +13,17 @@ import click
 from .limits import MAX_INDEX
 from .model import FORMATS, ModelError, PrunedModel, load_model
 from .shapes import Target
+
+
+def invoked_command(argv: Optional[list] = None) -> str:
+    """The command line as a user would type it again, for result files:
+    `sparseconv ...` from the console script or `python -m sparseconv`,
+    `python script.py ...` from a script."""
+    argv = sys.argv if argv is None else argv
+    name = Path(argv[0]).name
+    prefix = ["sparseconv"] if name in ("sparseconv", "__main__.py") else \
+        ["python", argv[0]] if name.endswith(".py") else [name]
+    return " ".join(shlex.quote(a) for a in prefix + list(argv[1:]))
 
 
 def parse_size(text: str, what: str, minimum: int = 1) -> Tuple[int, int]:

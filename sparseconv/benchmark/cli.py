@@ -5,14 +5,14 @@ Exit codes: 0 success, 1 no GPU / a build failed / a correctness check failed,
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import click
 
-from ..cli_options import cache_dir_option, format_option, input_size_option, load_model_or_exit, spec_option
+from ..cli_options import (cache_dir_option, format_option, input_size_option, invoked_command, load_model_or_exit,
+                           spec_option)
 from ..compile import CompileError, ToolNotFoundError
 from .network import VARIANTS as NETWORK_VARIANTS
 from .network import network_command
@@ -157,10 +157,7 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
                          baselines=baselines, repeat=repeat, max_seconds=max_seconds, seed=seed,
                          cache_dir=str(cache_dir) if cache_dir else None, graphs=graphs,
                          cudnn_benchmark=cudnn_benchmark, jobs=jobs)
-    argv0 = Path(sys.argv[0]).name
-    prefix = ["sparseconv"] if argv0 == "sparseconv" else ["python", sys.argv[0]] if argv0.endswith(".py") else [argv0]
-    command = " ".join(shlex.quote(a) for a in prefix + sys.argv[1:])
-    result = _run(layers, config, command)
+    result = _run(layers, config, invoked_command())
     click.echo(format_table(result))
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import shlex
 import sys
 import time
 import warnings
@@ -25,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import click
 
-from ..cli_options import parse_size
+from ..cli_options import invoked_command, parse_size
 
 VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
 TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
@@ -362,7 +361,7 @@ def network_command(network: str, batch_text: str, sparsity: float, input_text: 
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    command = "sparseconv bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = invoked_command()
     try:
         report = run_network_bench(network, batches, sparsity=sparsity, input_size=size, variants=variants,
                                    repeat=repeat, cache_dir=None if cache_dir is None else str(cache_dir),
