@@ -9,6 +9,10 @@ python bench/memcheck_layers.py 'lenet-*,resnet-conv2'`.
 The kernel families (pointwise 1x1, split-K variants, fused residual + ReLU
 epilogue) are the layers named family-*, each run at batch 1 (the split
 variant) and 20 (unsplit): `... python bench/memcheck_layers.py 'family-*'`.
+memcheck takes one layer per process: compute-sanitizer (CUDA 13.0) segfaulted
+itself partway through all five in one process (docs/DESIGN.md), so
+`for l in $(python bench/memcheck_layers.py --list 'family-*'); do
+compute-sanitizer --tool memcheck --error-exitcode 1 python bench/memcheck_layers.py "$l" || break; done`.
 
 Checks results too, so a run that passes memcheck is also known to be right."""
 import fnmatch
@@ -35,14 +39,19 @@ FAMILY_LAYERS = {
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    list_only = args[:1] == ["--list"]  # the matching names, one a line, nothing run
+    args = args[1:] if list_only else args
+    patterns = args[0].split(",") if args else ["*"]
+    layers = [(op.name, op.shape) for op in benchmark_operators()] + list(FAMILY_LAYERS.items())
+    layers = [(name, s) for name, s in layers if any(fnmatch.fnmatch(name, p) for p in patterns)]
+    if list_only or not layers:
+        print("\n".join(name for name, _ in layers) if layers else f"no layer matches {','.join(patterns)}")
+        return 0 if layers else 2
     rng = np.random.default_rng()
-    patterns = sys.argv[1].split(",") if len(sys.argv) > 1 else ["*"]
     cache = tempfile.mkdtemp()
     worst = 0.0
-    layers = [(op.name, op.shape) for op in benchmark_operators()] + list(FAMILY_LAYERS.items())
     for name, s in layers:
-        if not any(fnmatch.fnmatch(name, p) for p in patterns):
-            continue
         family = name.startswith("family-")
         w = pruned_weight(rng, s.weight_shape, 0.9)
         conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), stride=s.stride, padding=s.padding,
