@@ -512,8 +512,8 @@ def blocks_per_image(shape: ConvShape, tiling: Tiling) -> float:
 COLD_SPLIT_MAX_THREADS = 256
 COLD_SPLIT_K_BLOCK = 32
 # Up to 28x28 outputs; measured cold at batch 1 (session 9): ResNet-50's 1x1
-# layers at 28x28 and below 1.0-3.1x faster than the old rule, layer3's 3x3
-# 1.4x, layer4's even. At 56x56 the slices' partial sums cost more than the
+# layers at 28x28 and below up to 3.1x faster than under the old rule (one,
+# layer4.0.downsample, even), layer3's 3x3 1.4x, layer4's even. At 56x56 the slices' partial sums cost more than the
 # code saved (layer1.1.conv1 6.3 -> 9.6 us), so larger images keep the old rule.
 COLD_SPLIT_MAX_PIXELS = 1024
 
