@@ -513,8 +513,9 @@ COLD_SPLIT_MAX_THREADS = 256
 COLD_SPLIT_K_BLOCK = 32
 # Up to 28x28 outputs; measured cold at batch 1 (session 9): ResNet-50's 1x1
 # layers at 28x28 and below up to 3.1x faster than under the old rule (one,
-# layer4.0.downsample, even), layer3's 3x3 1.4x, layer4's even. At 56x56 the slices' partial sums cost more than the
-# code saved (layer1.1.conv1 6.3 -> 9.6 us), so larger images keep the old rule.
+# layer4.0.downsample, even), layer3's 3x3 1.4x, layer4's even. At 56x56 the
+# slices' partial sums cost more than the code saved (layer1.1.conv1 6.3 ->
+# 9.6 us), so larger images keep the old rule.
 COLD_SPLIT_MAX_PIXELS = 1024
 
 
@@ -544,15 +545,14 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
-    if tiling.family == "pointwise" and 1 < shape.out_h * shape.out_w <= COLD_SPLIT_MAX_PIXELS:
-        small = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, min(tiling.threads, 128))
-        return cold_pointwise_split(shape) if blocks_per_image(shape, small) < ONE_WAVE else None
     if tiling.family == "pointwise" and tiling.threads > 128:
         # a small batch has few pixels: big blocks would idle most threads
         tiling = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, 128, tiling.min_blocks)
     blocks = math.ceil(blocks_per_image(shape, tiling))
     if blocks >= ONE_WAVE:
         return None
+    if tiling.family == "pointwise" and 1 < shape.out_h * shape.out_w <= COLD_SPLIT_MAX_PIXELS:
+        return cold_pointwise_split(shape)
     chunks = math.ceil(shape.c_per_group / tiling.c_block)
     if tiling.family == "pointwise":
         most = shape.c_per_group * shape.kernel_h * shape.kernel_w // MIN_SLICE_CHANNELS_POINTWISE
