@@ -130,6 +130,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
         HAS_RESIDUAL=int(epilogue.residual), SLICES=tiling.slices, CHUNKS_PER_SLICE=n_chunks(shape, tiling),
         K=shape.out_channels, C=shape.in_channels,
         K_PER_GROUP=shape.k_per_group, C_PER_GROUP=shape.c_per_group,
+        K_TAIL=int(shape.k_per_group % tiling.k_block != 0),
         KBLOCKS_PER_GROUP=n_kblocks(shape, tiling) // (shape.groups * tiling.slices),
         H=shape.in_h, W=shape.in_w, HO=shape.out_h, WO=shape.out_w,
         STRIDE_H=shape.stride[0], STRIDE_W=shape.stride[1],

@@ -105,3 +105,16 @@ def test_render_puts_each_placeholder_once():
     assert sorted(r.placeholders.values()) == sorted(
         (kb, cb, i, j) for kb in range(3) for cb in range(2) for i in range(3) for j in range(5))
     assert "#pragma unroll 1" in r.source
+
+
+@pytest.mark.parametrize("family", ["direct", "pointwise"])
+def test_output_channel_tests_only_where_a_k_block_runs_past_the_channels(family):
+    """K_TAIL: with K_PER_GROUP % K_BLOCK == 0 no output channel needs a bounds
+    test (the tests were a third of a split 1x1 block's code); the interpreter
+    tests (test_numeric_cpu) check both cases compute the convolution."""
+    def t(k_block):
+        return Tiling(k_block, 2, 1, 32, 1, 1, family="pointwise") if family == "pointwise" else \
+            Tiling(k_block, 2, 4, 8, 1, 2)
+    assert "#define K_TAIL         0" in render(ConvShape(4, 12, 9, 9, 1, 1), t(4)).source
+    assert "#define K_TAIL         1" in render(ConvShape(4, 12, 9, 9, 1, 1), t(8)).source
+    assert "#define K_TAIL         0" in render(ConvShape(4, 12, 9, 9, 1, 1, groups=2), t(6)).source  # per group
