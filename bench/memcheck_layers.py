@@ -32,7 +32,8 @@ FAMILY_LAYERS = {
     "family-pointwise-deep": ConvShape(512, 256, 7, 7, 1, 1),              # split at batch 1
     "family-pointwise-odd": ConvShape(37, 19, 11, 13, 1, 1, (2, 2), (1, 1)),  # padded chunks, stride, padding
     "family-pointwise-3x3": ConvShape(128, 64, 7, 7, 3, 3, (1, 1), (1, 1)),  # padding taps read the zero array
-    "family-direct-split": ConvShape(64, 64, 28, 28, 3, 3, (1, 1), (1, 1)),  # split at batch 1
+    "family-direct-split": ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),  # split at batch 1
+    "family-mixed": ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),  # split direct at batch 1, pointwise at 20
     # batch 20: 7 pixel blocks in 2 groups of 4 (shapes.launch_grid), one block past the batch
     "family-pointwise-grouped": ConvShape(1024, 256, 13, 13, 1, 1),
 }

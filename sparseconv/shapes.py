@@ -444,23 +444,42 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
 # Outputs per image at or below which a deep conv larger than 1x1 takes the
 # pointwise family (default_tiling), and the most kernel taps it does so for
 # (each tap of each pixel keeps a pointer in registers).
-SMALL_OUTPUT = 14 * 14
+SMALL_OUTPUT = 28 * 28
 MAX_POINTWISE_TAPS = 9
+# Outputs per image at or below which a deep conv's small-batch variant is
+# split on the pointwise family too; between this and SMALL_OUTPUT it is split
+# on the direct family. Measured cold at batch 1 (bench/split_probe.py --cold,
+# session 10): VGG-16 conv4_2 (28x28, 512 channels) 66 us split direct against
+# 89-98 us split pointwise; ResNet-50's layer2 3x3 within 20% either way.
+SMALL_BATCH_POINTWISE_OUTPUT = 14 * 14
+
+
+def default_direct_tiling(shape: ConvShape) -> Tiling:
+    """The direct family's default (see default_tiling)."""
+    if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
+        return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
+    return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
 
 
 def default_tiling(shape: ConvShape) -> Tiling:
     """1x1 convs: the pointwise family (default_pointwise_tiling). Deep convs
     with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
-    taps): the pointwise family too, 64 output channels x 1 pixel x 128
-    threads. There the direct family's blocks shrink to one image's outputs
-    (49 threads at 7x7), while the pointwise family folds the batch into its
-    pixels. Measured on the H100 (bench/family_sweep.py --only wide, ResNet-50
-    layers 3-4, 2026-11-23): batch 64, 512-channel 3x3 at 7x7 4.7x faster
-    (882 -> 187 us), strided 14x14 -> 7x7 3.7x, strided 28x28 -> 14x14 1.3x,
-    256-channel at 14x14 even (218 vs 214 us); at 28x28 the direct family
-    stays ahead (156 vs 191 us). Other convs: the direct family, below.
+    taps): the pointwise family too, 64 output channels x 1 pixel, 256 threads,
+    or 512 where the layer is strided or has 512+ input channels and its image
+    has 14x14 outputs or more. There the direct family's blocks shrink to one
+    image's outputs (49 threads at 7x7), while the pointwise family folds the
+    batch into its pixels. Measured on the H100 at batch 64
+    (bench/family_sweep.py --only wide, session 10): against the direct family,
+    VGG-16 conv4_2 (28x28, 512 channels) 3,631 -> 1,702 us, ResNet-50
+    layer2.1.conv2 (28x28, 128) 148 -> 103, layer2.0.conv2 (strided) 260 ->
+    164; against 128 threads, layer3.0.conv2 (strided 28 -> 14) 283 -> 143,
+    layer4.1.conv2 (7x7) 191 -> 113, VGG-16 conv5_1 789 -> 509. 512 threads lost
+    to 256 on the unstrided 128-channel layer (146 vs 103) and at 7x7 (147 vs
+    113, half a wave of blocks); more warps pay where each thread's loads
+    spread over more memory (strided) or its code is longer (512 channels).
+    Other convs: the direct family (default_direct_tiling).
 
-    32 output channels per block (16 or 8 when R*S is large), one output per
+    Direct family: 32 output channels per block (16 or 8 when R*S is large), one output per
     thread, 256 threads, registers capped so two blocks fit on an SM. The kernel
     is straight-line code streamed from the instruction cache, so the more warps
     walk the same instructions, the less each waits for them. Chosen by
@@ -474,11 +493,12 @@ def default_tiling(shape: ConvShape) -> Tiling:
     fetch; they keep the previous rule, which measured faster on them."""
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         return default_pointwise_tiling(shape)
-    if shape.c_per_group * shape.kernel_h * shape.kernel_w < SHALLOW_MACS:
-        return tiling_for(shape, _k_block(shape), 1 if shape.out_w <= 16 else 2)
-    if shape.out_h * shape.out_w <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
-        return pointwise_tiling(shape, 64, 1, 128)
-    return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
+    pixels = shape.out_h * shape.out_w
+    deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
+    if deep and pixels <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
+        wide = pixels >= 14 * 14 and (shape.stride != (1, 1) or shape.c_per_group >= 512)
+        return pointwise_tiling(shape, 64, 1, 512 if wide else 256)
+    return default_direct_tiling(shape)
 
 
 # Blocks that fill the H100 once (132 SMs) and twice: a layer that gives fewer
@@ -537,7 +557,9 @@ def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
-    GPU or the reduction is too short to split. Pointwise-family convs with
+    GPU or the reduction is too short to split. A deep conv larger than 1x1
+    with more than SMALL_BATCH_POINTWISE_OUTPUT pixels is split on the direct
+    family whatever family `tiling` is. Pointwise-family convs with
     images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear layers, whose image
     is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
@@ -545,6 +567,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
+    if (tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1)
+            and shape.out_h * shape.out_w > SMALL_BATCH_POINTWISE_OUTPUT):
+        tiling = default_direct_tiling(shape)  # measured faster split (SMALL_BATCH_POINTWISE_OUTPUT)
     if tiling.family == "pointwise" and tiling.threads > 128:
         # a small batch has few pixels: big blocks would idle most threads
         tiling = pointwise_tiling(shape, tiling.k_block, tiling.thread_w, 128, tiling.min_blocks)

@@ -6,10 +6,10 @@ import pytest
 
 from sparseconv.render import epilogue_code, render, template_name
 from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, L2_GROUP_BYTES, MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE,
-                               ConvShape, Epilogue, Tiling, batch_variants, blocks_per_image, check_tiling,
-                               default_tiling, launch_grid, max_batch_per_launch, n_chunks, n_kblocks,
-                               padded_channels, patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling,
-                               split_tiling)
+                               SMALL_BATCH_POINTWISE_OUTPUT, ConvShape, Epilogue, Tiling, batch_variants,
+                               blocks_per_image, check_tiling, default_direct_tiling, default_tiling, launch_grid,
+                               max_batch_per_launch, n_chunks, n_kblocks, padded_channels, patch_buffer_bytes,
+                               pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -24,17 +24,28 @@ def test_1x1_convs_get_the_pointwise_family_by_depth():
 
 
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():
-    """ResNet-50's layer3/layer4 3x3 convs (outputs of 14x14 and 7x7) take the
-    pointwise family; 28x28 outputs, shallow layers and large kernels stay direct."""
-    for shape in (ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)), ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
-                  ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1))):
+    """Deep 3x3 convs with outputs up to 28x28 take the pointwise family at
+    large batches: 256 threads, 512 where strided or 512+ channels on 14x14 or
+    more (measured, shapes.default_tiling); shallow layers and large kernels
+    stay direct."""
+    threads = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): 256,      # layer4.1.conv2: 512 is half a wave
+               ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): 256,    # layer3.1.conv2
+               ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): 512,    # layer3.0.conv2: strided
+               ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): 512,    # VGG-16 conv5_x
+               ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): 256,    # layer2.1.conv2
+               ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): 512}    # VGG-16 conv4_2
+    for shape, n in threads.items():
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 64, 128, 4)
+        assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 64, n, 4)
         split = split_tiling(shape, t)
-        # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split)
-        assert split is not None and split.slices >= 8
-        assert ONE_WAVE // 2 < math.prod(launch_grid(shape, split, 1)) <= ONE_WAVE
-    for shape in (ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
+        if shape.out_h * shape.out_w <= SMALL_BATCH_POINTWISE_OUTPUT:
+            # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split)
+            assert split.family == "pointwise" and split.slices >= 8
+            assert ONE_WAVE // 2 < math.prod(launch_grid(shape, split, 1)) <= ONE_WAVE
+        else:  # 28x28: the direct family's split measured faster at batch 1
+            assert split == split_tiling(shape, default_direct_tiling(shape))
+            assert split.family == "direct" and split.slices >= 2
+    for shape in (ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
                   ConvShape(64, 64, 14, 14, 5, 5, (1, 1), (2, 2))):
         assert default_tiling(shape).family == "direct"
 
