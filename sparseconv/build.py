@@ -93,7 +93,15 @@ def template_cache_key(source: str, target: Target) -> str:
     return cache_key("template", __version__, source, target.arch, tool_identity("nvcc"), " ".join(NVCC_FLAGS))
 
 
-def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str) -> Optional[bytes]:
+def artifact_key(ptx_sha: str, assembler: str, tiling: Tiling) -> str:
+    """The cache key of a cubin: its PTX's hash and the ptxas flags that made
+    it. Tilings that differ only in Tiling.ptxas_level share their PTX but not
+    their cubin; keyed by the PTX alone, one would be served the other's."""
+    return cache_key("cubin", ptx_sha, assembler, f"-O{tiling.ptxas_level}", f"-maxrregcount={tiling.max_registers}")
+
+
+def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str, assembler: str,
+                     tiling: Tiling) -> Optional[bytes]:
     """The artifact a kernel index names, if its specialised PTX (which the CLI
     writes out and `compile` bundles) and the artifact are both in the cache
     and intact; None (so the caller rebuilds both) otherwise."""
@@ -106,7 +114,7 @@ def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str) -> Optional
         return None
     if ptx is None or hashlib.sha256(ptx).hexdigest() != sha:
         return None
-    return ptx if suffix == ".ptx" else cache.get("kernel", sha, suffix)
+    return ptx if suffix == ".ptx" else cache.get("kernel", artifact_key(sha, assembler, tiling), suffix)
 
 
 def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
@@ -144,7 +152,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     # Warm path: the index names the specialised PTX and artifact by the PTX's
     # content hash; both must still be there intact, or the layer is rebuilt.
     index = cache.get_json("kernel", kkey)
-    warm = _cached_artifact(cache, index, suffix) if index is not None else None
+    warm = _cached_artifact(cache, index, suffix, assembler, tiling) if index is not None else None
     if warm is not None:
         stats = dict(index["stats"], seconds={**seconds, "specialise": 0.0, "assemble": 0.0},
                      template_cache_hit=template_hit, kernel_cache_hit=True)
@@ -162,14 +170,15 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
                               opt_level=tiling.ptxas_level) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
+    akey = artifact_key(ptx_sha, assembler, tiling) if use_ptxas else ptx_sha
     stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),
-                                    target=target.arch,
-                                    artifact_bytes=len(artifact), template_key=tkey, kernel_key=kkey)
+                                    target=target.arch, artifact_bytes=len(artifact), artifact_key=akey,
+                                    template_key=tkey, kernel_key=kkey)
     cache.put_text("kernel", ptx_sha, ".ptx", ptx)
     if use_ptxas:
-        cache.put("kernel", ptx_sha, ".cubin", artifact)
+        cache.put("kernel", akey, ".cubin", artifact)
     # The index last; "refs" lets `cache verify` report it when what it names is gone.
-    refs = [["kernel", ptx_sha, ".ptx"]] + ([["kernel", ptx_sha, ".cubin"]] if use_ptxas else [])
+    refs = [["kernel", ptx_sha, ".ptx"]] + ([["kernel", akey, ".cubin"]] if use_ptxas else [])
     cache.put_json("kernel", kkey, {"ptx_sha256": ptx_sha, "stats": stats, "refs": refs})
     stats = dict(stats, seconds=seconds, template_cache_hit=template_hit, kernel_cache_hit=False)
     return CompiledLayer(name, shape, tiling, target, ENTRY_NAME, artifact, suffix, ptx_sha, stats, epilogue)

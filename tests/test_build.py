@@ -40,10 +40,26 @@ def test_second_build_is_a_cache_hit(tmp_path):
 def test_specialised_artifacts_are_named_by_content_hash(tmp_path):
     cache = ArtifactCache(tmp_path)
     a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
-    assert cache.get("kernel", a.ptx_sha256, ".cubin") == a.artifact
+    assert cache.get("kernel", a.stats["artifact_key"], ".cubin") == a.artifact
     import hashlib
     ptx = cache.get_text("kernel", a.ptx_sha256, ".ptx")
     assert hashlib.sha256(ptx.encode()).hexdigest() == a.ptx_sha256
+
+
+def test_tilings_that_differ_only_in_ptxas_level_keep_their_own_cubins(tmp_path):
+    """Same PTX, other ptxas -O level: each build, cold and warm, returns the
+    cubin of its own level (keyed by the PTX alone, the second build's cubin
+    overwrote the first's and warm loads of either got it)."""
+    from dataclasses import replace
+    cache = ArtifactCache(tmp_path)
+    o3 = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
+    o1 = build_conv2d(weight(), SHAPE, tiling=replace(TILING, ptxas_level=1), cache=cache)
+    assert o1.ptx_sha256 == o3.ptx_sha256 and o1.stats["artifact_key"] != o3.stats["artifact_key"]
+    assert o1.artifact != o3.artifact
+    for level, cold in ((3, o3), (1, o1)):
+        warm = build_conv2d(weight(), SHAPE, tiling=replace(TILING, ptxas_level=level), cache=cache)
+        assert warm.stats["kernel_cache_hit"] and warm.artifact == cold.artifact
+    assert cache.verify() == []
 
 
 @pytest.mark.parametrize("victim", [".cubin", ".ptx-template"])
@@ -51,7 +67,7 @@ def test_corrupted_cache_entries_are_rebuilt(tmp_path, victim):
     cache = ArtifactCache(tmp_path)
     a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
     if victim == ".cubin":
-        path = cache.path_for("kernel", a.ptx_sha256, ".cubin")
+        path = cache.path_for("kernel", a.stats["artifact_key"], ".cubin")
     else:
         path = cache.path_for("template", a.stats["template_key"], ".ptx")
     data = bytearray(path.read_bytes())
@@ -152,7 +168,7 @@ def test_a_damaged_specialised_artifact_heals(tmp_path, victim, damage):
     the same artifacts and leaves the cache whole."""
     cache = ArtifactCache(tmp_path)
     a = build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
-    path = cache.path_for("kernel", a.ptx_sha256, victim)
+    path = cache.path_for("kernel", a.ptx_sha256 if victim == ".ptx" else a.stats["artifact_key"], victim)
     if damage == "delete":
         path.unlink()
     else:
