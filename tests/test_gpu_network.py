@@ -29,6 +29,7 @@ def test_tiny_network_bench_runs_every_variant(session_cache_dir, tmp_path):
     report = run_network_bench(net, (1, 4), input_size=(16, 16), repeat=3, cache_dir=str(session_cache_dir),
                                progress=False)
     assert report.plan == {"bn+relu": 1, "bn+add+relu": 1}
+    assert sorted(d["fused"] for d in report.plan_layers) == ["bn+add+relu", "bn+relu"]
     got = {(t.variant, t.batch): t for t in report.timings}
     assert set(got) == {(v, b) for v in VARIANTS for b in (1, 4)}
     for b in (1, 4):

@@ -9,7 +9,7 @@ from click.testing import CliRunner  # noqa: E402
 from torch import nn  # noqa: E402
 
 from sparseconv.benchmark.network import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
-                                      format_table, network_command, parse_batches, plot_report,
+                                      format_table, network_command, parse_batches, plan_layers, plot_report,
                                       run_network_bench)
 from sparseconv.zoo_torch import ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
 
@@ -103,6 +103,24 @@ def test_report_json_round_trips_and_flags_inexact_sparseconv():
     assert r.failures() == []
     r.timings.append(NetworkTiming("ResNet-50", 2, "sparseconv", 1.0, 3e-5, 1.0))
     assert r.failures() == ["ResNet-50 batch 2: sparseconv relative L2 3.00e-05 > 1e-05"]
+
+
+def test_the_report_keeps_each_convs_path_and_the_times_behind_it():
+    """The JSON says which convs went to cuDNN and why (session 10 needed it to
+    explain a network that gained less than its layers)."""
+    from sparseconv.fx import ConvPlan
+    from sparseconv.shapes import ConvShape
+    plans = [ConvPlan("features.0", "sparseconv", "", 0.9, ConvShape(3, 64, 32, 32, 3, 3), ("relu",)),
+             ConvPlan("features.24", "mixed", "batch 1: sparseconv 40.7 us, cuDNN fp32 184.9 us; "
+                      "batch 64: sparseconv 3978.0 us, cuDNN fp32 2101.4 us", 0.9,
+                      ConvShape(512, 512, 28, 28, 3, 3), ("relu",)),
+             ConvPlan("classifier.0", "kept", "not pruned", 0.0, None, kind="linear")]
+    r = _report()
+    r.plan_layers = plan_layers(plans)
+    data = json.loads(r.to_json())["plan_layers"]
+    assert [d["action"] for d in data] == ["sparseconv", "mixed", "kept"]
+    assert data[1]["fused"] == "relu" and "cuDNN fp32 2101.4 us" in data[1]["reason"]
+    assert data[2] == dict(name="classifier.0", kind="linear", action="kept", fused="", reason="not pruned")
 
 
 def test_plot_writes_one_panel_per_batch(tmp_path):

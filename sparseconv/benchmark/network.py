@@ -57,6 +57,8 @@ class NetworkReport:
     input_size: Tuple[int, int]
     timings: List[NetworkTiming] = field(default_factory=list)
     plan: Dict[str, int] = field(default_factory=dict)   # "bn+add+relu" -> how many convs, "kept" -> ...
+    # Each conv's path and why: the routing's times for "dense" and "mixed"
+    plan_layers: List[Dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -141,6 +143,13 @@ def _plan_summary(plans: Sequence[Any]) -> Dict[str, int]:
     return out
 
 
+def plan_layers(plans: Sequence[Any]) -> List[Dict[str, str]]:
+    """One record per conv of a sparsify plan (fx.ConvPlan): its name, path,
+    what was fused into it and the reason, which holds the routing's times."""
+    return [dict(name=p.name, kind=p.kind, action=p.action, fused="+".join(p.fused), reason=p.reason)
+            for p in plans]
+
+
 def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
                       sparsity: float = 0.9, input_size: Tuple[int, int] = (224, 224), seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
@@ -202,6 +211,7 @@ def _run(network: Union[str, Any], batches: Sequence[int], sparsity: float, inpu
                     model = sparsify(net, inputs[batches[0]][:1], cuda_graph=True, cache_dir=cache_dir,
                                      progress=progress)
                     report.plan = _plan_summary(model.sparseconv_plan)
+                    report.plan_layers = plan_layers(model.sparseconv_plan)
                 else:
                     module = copy.deepcopy(net)
                     if variant.startswith("compile"):
