@@ -452,6 +452,10 @@ MAX_POINTWISE_TAPS = 9
 # session 10): VGG-16 conv4_2 (28x28, 512 channels) 66 us split direct against
 # 89-98 us split pointwise; ResNet-50's layer2 3x3 within 20% either way.
 SMALL_BATCH_POINTWISE_OUTPUT = 14 * 14
+# Outputs per image from which a strided or 512-channel deep conv takes 512
+# threads rather than 256 (default_tiling); below it 512 threads leave too
+# few blocks (ResNet-50 layer4 at 7x7, batch 64: half a wave).
+MANY_THREADS_MIN_OUTPUT = 14 * 14
 
 
 def default_direct_tiling(shape: ConvShape) -> Tiling:
@@ -496,7 +500,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
     pixels = shape.out_h * shape.out_w
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
     if deep and pixels <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
-        wide = pixels >= 14 * 14 and (shape.stride != (1, 1) or shape.c_per_group >= 512)
+        wide = pixels >= MANY_THREADS_MIN_OUTPUT and (shape.stride != (1, 1) or shape.c_per_group >= 512)
         return pointwise_tiling(shape, 64, 1, 512 if wide else 256)
     return default_direct_tiling(shape)
 
