@@ -200,3 +200,12 @@ def test_variant_for_batch_picks_the_split_variant_only_for_small_batches():
     (up_to, split), (_, full) = batch_variants(deep, default_tiling(deep))
     assert variant_for_batch(deep, 1) == split and variant_for_batch(deep, up_to) == split
     assert variant_for_batch(deep, up_to + 1) == full == default_tiling(deep)
+
+
+def test_pointwise_layers_of_at_most_64_channels_take_ptxas_O1():
+    """-O1 keeps a chunk's loads ahead of its FMAs: measured faster where K <= 64
+    (ResNet-50 layer1.x.conv1) and slower at K = 128 (layer2.x.conv1)."""
+    assert default_tiling(ConvShape(256, 64, 56, 56, 1, 1)).ptxas_level == 1
+    assert default_tiling(ConvShape(64, 64, 56, 56, 1, 1)).ptxas_level == 1
+    assert default_tiling(ConvShape(256, 128, 56, 56, 1, 1)).ptxas_level == 3
+    assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).ptxas_level == 3
