@@ -34,6 +34,8 @@ FAMILY_LAYERS = {
     "family-pointwise-3x3": ConvShape(128, 64, 7, 7, 3, 3, (1, 1), (1, 1)),  # padding taps read the zero array
     "family-direct-split": ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),  # split at batch 1
     "family-mixed": ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),  # split direct at batch 1, pointwise at 20
+    # direct, two outputs along W a thread (the per-channel branch kept for the stores' order)
+    "family-direct-wide": ConvShape(3, 64, 32, 32, 3, 3, (1, 1), (1, 1)),
     # batch 20: 7 pixel blocks in 2 groups of 4 (shapes.launch_grid), one block past the batch
     "family-pointwise-grouped": ConvShape(1024, 256, 13, 13, 1, 1),
 }

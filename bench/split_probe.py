@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.runtime import Conv2dKernel, _reduce_kernel
+from sparseconv.runtime import Conv2dKernel, reduce_slices
 from sparseconv.shapes import Target, check_tiling, pointwise_tiling, variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
@@ -94,10 +94,7 @@ def main() -> None:
                (x, ws, k._bias, np.uint64(0), np.int32(n), np.int32(layer.chunks)), shared_mem=layer.shared_bytes)
 
         def reduce_only():
-            total = out.size
-            _reduce_kernel(k.device_id)((min(-(-total // 256), 4096),), (256,),
-                                        (ws, out, np.uint64(0), np.int64(total), np.int32(slices), np.int32(0),
-                                         np.int32(0), np.float32(0), np.int32(0), np.float32(0)))
+            reduce_slices(k.device_id, ws, out)
         if args.no_time:
             for _ in range(3):
                 k(x, out=out)
