@@ -94,23 +94,18 @@ def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
 
 # Adds the partial sums of a split reduction (Tiling.slices) in slice order,
 # so results are the same run to run, then applies the epilogue. Plain fp32,
-# compiled by NVRTC once per process and slice count (no weights in it). The
-# slice count is compiled in so that a thread issues all of its loads before
-# the first add: one memory latency per output instead of one per slice (at
-# batch 1 this kernel is ~2 us of a few-us layer; ResNet-50 runs 47 of them).
+# compiled once per process by NVRTC (no weights in it). Compiling the slice
+# count in (every slice's load before the first add) was measured no faster:
+# the kernel is ~1.4 us of fixed cost (docs/PERFORMANCE.md, session 11).
 _REDUCE_SOURCE = r"""
 extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float* __restrict__ y,
-        const float* __restrict__ residual, long long total, int has_residual,
+        const float* __restrict__ residual, long long total, int slices, int has_residual,
         int has_lo, float lo, int has_hi, float hi)
 {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
-        float part[SLICES];
-#pragma unroll
-        for (int s = 0; s < SLICES; ++s) part[s] = ws[s * total + i];
-        float v = part[0];
-#pragma unroll
-        for (int s = 1; s < SLICES; ++s) v += part[s];
+        float v = ws[i];
+        for (int s = 1; s < slices; ++s) v += ws[s * total + i];
         if (has_residual) v += residual[i];
         if (has_lo) v = v < lo ? lo : v;
         if (has_hi) v = v > hi ? hi : v;
@@ -118,7 +113,7 @@ extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float*
     }
 }
 """
-_reduce_kernels: Dict[Tuple[int, int], Any] = {}
+_reduce_kernels: Dict[int, Any] = {}
 
 
 def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
@@ -127,15 +122,13 @@ def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
     residual, clamped to bounds (lo, hi; None for no bound), on the current stream."""
     import cupy
 
-    slices = ws.shape[0]
-    key = (device_id, slices)
-    if key not in _reduce_kernels:
-        _reduce_kernels[key] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices", options=(f"-DSLICES={slices}",))
+    if device_id not in _reduce_kernels:
+        _reduce_kernels[device_id] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices")
     lo, hi = bounds
     total = y.size
-    _reduce_kernels[key](
+    _reduce_kernels[device_id](
         (min(-(-total // 256), 4096),), (256,),
-        (ws, y, residual if residual is not None else np.uint64(0), np.int64(total),
+        (ws, y, residual if residual is not None else np.uint64(0), np.int64(total), np.int32(ws.shape[0]),
          np.int32(residual is not None), np.int32(lo is not None), np.float32(lo or 0.0),
          np.int32(hi is not None), np.float32(hi or 0.0)))
 

@@ -1,8 +1,7 @@
 """CPU: the split-reduction kernel of sparseconv.runtime (sc_reduce_slices),
-compiled by nvcc for each slice count as NVRTC compiles it at run time, and
-executed in the PTX interpreter against NumPy: the slices are added in slice
-order (bit for bit what a float32 loop in that order gives), then the
-residual, then the clamps."""
+compiled by nvcc as NVRTC compiles it at run time, and executed in the PTX
+interpreter against NumPy: the slices are added in slice order (bit for bit
+what a float32 loop in that order gives), then the residual, then the clamps."""
 import numpy as np
 import pytest
 
@@ -15,8 +14,8 @@ from ptx_interpreter import run_kernel
 pytestmark = pytest.mark.nvcc
 
 
-def reduce_ptx(slices: int) -> str:
-    return compile_to_ptx(_REDUCE_SOURCE, Target(), "the split reduction", extra_flags=[f"-DSLICES={slices}"])
+def reduce_ptx() -> str:
+    return compile_to_ptx(_REDUCE_SOURCE, Target(), "the split reduction")
 
 
 @pytest.mark.parametrize("slices,residual,lo,hi", [(2, False, None, None), (5, True, 0.0, None),
@@ -28,8 +27,8 @@ def test_the_reduction_adds_slices_in_order_then_the_epilogue(slices, residual, 
     res = rng.standard_normal(total).astype(np.float32)
     y = np.full(total, np.nan, np.float32)
     block = 128
-    run_kernel(reduce_ptx(slices), "sc_reduce_slices", grid=(-(-total // block) // 2, 1, 1), block=(block, 1, 1),
-               args=[ws, y, res if residual else np.zeros(1, np.float32), total, int(residual),
+    run_kernel(reduce_ptx(), "sc_reduce_slices", grid=(-(-total // block) // 2, 1, 1), block=(block, 1, 1),
+               args=[ws, y, res if residual else np.zeros(1, np.float32), total, slices, int(residual),
                      int(lo is not None), lo or 0.0, int(hi is not None), hi or 0.0])
     want = ws[0].copy()
     for s in range(1, slices):
