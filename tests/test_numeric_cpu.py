@@ -27,6 +27,10 @@ LAYERS = {
     "dilated_thread_h2": (ConvShape(4, 5, 11, 10, 3, 3, (1, 1), (2, 1), (2, 1)), Tiling(2, 3, 4, 6, 2, 3)),
     "grouped": (ConvShape(6, 9, 6, 7, 3, 3, (1, 1), (1, 1), groups=3), Tiling(2, 1, 6, 7, 1, 1)),
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
+    # two outputs along W a thread with no k-block tail: the per-channel branch
+    # is kept only to order the stores (templates/conv2d_direct.cu.j2); the
+    # right-hand tile is partial, so its second column stores nothing
+    "thread_w2_no_k_tail": (ConvShape(3, 8, 6, 9, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 8, 1, 2)),
     # issue 11, defect 3: bodies so small that NVVM unrolled the chunk loop (see compile.NVCC_FLAGS)
     "one_input_channel_1x1": (ConvShape(1, 64, 8, 8, 1, 1), None),
     "two_input_channels_1x1_on_1x1": (ConvShape(2, 8, 1, 1, 1, 1), None),
