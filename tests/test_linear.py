@@ -8,12 +8,12 @@ import sparseconv
 from sparseconv.api import LINEAR_SPLIT_THREADS, LINEAR_THREADS, linear_shape, linear_variants
 from sparseconv.compile import compile_to_ptx
 from sparseconv.limits import LimitError, check_layer
-from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target, launch_grid, n_chunks, n_kblocks
+from sparseconv.render import render
+from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target, n_chunks, n_kblocks
 from sparseconv.specialise import specialise
 from sparseconv.testing import pruned_weight, relative_l2
 
-from ptx_interpreter import run_kernel
+from specialised_runs import run_ptx
 
 
 def test_a_linear_layer_is_a_1x1_conv_on_a_1x1_input():
@@ -54,20 +54,10 @@ def test_vgg16_classifier_limits():
 
 
 def _run(ptx, rendered, x, bias):
-    """The specialised kernel in the interpreter on x (N, C); slices added in order, then the clamp."""
-    shape, t = rendered.shape, rendered.tiling
+    """The specialised kernel in the interpreter on x (N, C), as the run time launches it."""
     n = x.shape[0]
-    y = np.full((t.slices, n, shape.out_channels, 1, 1), np.nan, np.float32)
-    run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
-               args=[np.ascontiguousarray(x.reshape(n, -1, 1, 1)), y, bias, 0, n, n_chunks(shape, t)],
-               dynamic_shared_bytes=0)
-    out = y[0]
-    for s in range(1, t.slices):
-        out = out + y[s]
-    if t.slices > 1:
-        lo, hi = rendered.epilogue.bounds
-        out = np.where(out < lo, lo, out).astype(np.float32) if lo is not None else out
-    return out.reshape(n, shape.out_channels)
+    y = run_ptx(ptx, rendered, np.ascontiguousarray(x.reshape(n, -1, 1, 1)), bias)
+    return y.reshape(n, rendered.shape.out_channels)
 
 
 @pytest.mark.nvcc

@@ -302,7 +302,7 @@ def test_items_handled_one_by_one_compute_the_convolution(monkeypatch, piece_lin
     from sparseconv.ptx import Stmt
     from sparseconv.specialise import emit
     from sparseconv.specialise.analysis import PlaceholderFma
-    from test_numeric_cpu import run_ptx
+    from specialised_runs import run_ptx
     from sparseconv.testing import conv2d_reference, relative_l2
 
     rendered, tptx = template("multi_block_multi_chunk")

@@ -1,0 +1,41 @@
+"""Running a specialised conv kernel in the PTX interpreter as the run time
+launches it (sparseconv.runtime.Conv2dKernel._launch), for the CPU tests: the
+entry's arguments, a split variant's workspace, and the ordered sum of its
+slices with the epilogue after it (what sc_reduce_slices does on the GPU)."""
+import numpy as np
+
+from sparseconv.render import ENTRY_NAME
+from sparseconv.shapes import launch_grid, n_chunks, patch_buffer_bytes
+
+from ptx_interpreter import run_kernel
+
+
+def run_ptx(ptx, rendered, x, bias, residual=None):
+    """Run the specialised kernel in the interpreter. With a split reduction
+    the slices' partial sums are added here in slice order (as the run-time's
+    reduction kernel does) and the epilogue applied after."""
+    shape, t = rendered.shape, rendered.tiling
+    n = x.shape[0]
+    y = np.full((t.slices, n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
+               args=[np.ascontiguousarray(x), y, bias, residual if residual is not None else 0, n,
+                     n_chunks(shape, t)],
+               dynamic_shared_bytes=patch_buffer_bytes(shape, t))
+    if t.slices == 1:
+        return y[0]
+    out = y[0]
+    for s in range(1, t.slices):
+        out = out + y[s]
+    return apply_epilogue(out, rendered.epilogue, residual)
+
+
+def apply_epilogue(y, epilogue, residual):
+    """y + residual, then the activation's clamp, in y's dtype (the reference's side)."""
+    if epilogue.residual:
+        y = y + residual
+    lo, hi = epilogue.bounds
+    if lo is not None:
+        y = np.where(y < lo, lo, y).astype(y.dtype)
+    if hi is not None:
+        y = np.where(y > hi, hi, y).astype(y.dtype)
+    return y
