@@ -424,6 +424,14 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
     return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, min_blocks, "pointwise", slices)
 
 
+# Output channels (per group) up to which a pointwise layer's default takes
+# ptxas -O1, which keeps each chunk's loads ahead of its FMAs (see
+# split_tiling). H100, bench/split_probe.py --cold, session 11: ResNet-50
+# layer1.1.conv1 (K = 64) 12.3 -> 4.5 us at batch 1, 131.5 -> 92.0 at batch
+# 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower.
+POINTWISE_O1_MAX_CHANNELS = 64
+
+
 def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     """The pointwise family's default, from two sweeps on the H100
     (bench/family_sweep.py, ResNet-50's 15 distinct 1x1 layers at batch 64,
@@ -436,11 +444,7 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     faster than 128 on layer3's 1024->256). Within 1.2x of the best of six
     candidates on every layer."""
     if shape.k_per_group <= 128:
-        # Where K <= 64, ptxas -O1 keeps each chunk's loads ahead of its FMAs
-        # (see split_tiling). H100, bench/split_probe.py --cold, session 11:
-        # ResNet-50 layer1.1.conv1 12.3 -> 4.5 us at batch 1, 131.5 -> 92.0 at
-        # batch 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower.
-        level = 1 if shape.k_per_group <= 64 else 3
+        level = 1 if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else 3
         return replace(pointwise_tiling(shape, 128, 1, 128), ptxas_level=level)
     c = shape.c_per_group
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
