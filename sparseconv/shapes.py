@@ -461,10 +461,16 @@ MAX_POINTWISE_TAPS = 9
 # session 10): VGG-16 conv4_2 (28x28, 512 channels) 66 us split direct against
 # 89-98 us split pointwise; ResNet-50's layer2 3x3 within 20% either way.
 SMALL_BATCH_POINTWISE_OUTPUT = 14 * 14
-# Outputs per image from which a strided or 512-channel deep conv takes 512
-# threads rather than 256 (default_tiling); below it 512 threads leave too
-# few blocks (ResNet-50 layer4 at 7x7, batch 64: half a wave).
+# Outputs per image from which a strided or 256+-channel deep conv takes 512
+# threads x 64 output channels rather than 256 threads (default_tiling);
+# below it, 512 threads x 64 channels leave half a wave of blocks (ResNet-50
+# layer4 at 7x7, batch 64), so those take 512 threads x 32 channels.
+# Chosen on cold times, as the layers run inside a network
+# (bench/split_probe.py --cold --batch 64, session 12): layer4.1.conv2
+# 273 -> 169 us, layer4.0.conv2 263 -> 172, layer3.1.conv2 (256 channels)
+# 194 -> 135; hot, 256 threads had looked as fast or faster.
 MANY_THREADS_MIN_OUTPUT = 14 * 14
+MANY_THREADS_MIN_CHANNELS = 256
 
 
 def default_direct_tiling(shape: ConvShape) -> Tiling:
@@ -477,19 +483,18 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
 def default_tiling(shape: ConvShape) -> Tiling:
     """1x1 convs: the pointwise family (default_pointwise_tiling). Deep convs
     with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
-    taps): the pointwise family too, 64 output channels x 1 pixel, 256 threads,
-    or 512 where the layer is strided or has 512+ input channels and its image
-    has 14x14 outputs or more. There the direct family's blocks shrink to one
-    image's outputs (49 threads at 7x7), while the pointwise family folds the
-    batch into its pixels. Measured on the H100 at batch 64
+    taps): the pointwise family too, 1 pixel a thread, and 512 threads x 64
+    output channels where the layer is strided or has 256+ input channels,
+    512 x 32 at 7x7 outputs, else 256 x 64. There the direct family's blocks
+    shrink to one image's outputs (49 threads at 7x7), while the pointwise
+    family folds the batch into its pixels. Measured on the H100 at batch 64
     (bench/family_sweep.py --only wide, session 10): against the direct family,
     VGG-16 conv4_2 (28x28, 512 channels) 3,631 -> 1,702 us, ResNet-50
     layer2.1.conv2 (28x28, 128) 148 -> 103, layer2.0.conv2 (strided) 260 ->
-    164; against 128 threads, layer3.0.conv2 (strided 28 -> 14) 283 -> 143,
-    layer4.1.conv2 (7x7) 191 -> 113, VGG-16 conv5_1 789 -> 509. 512 threads lost
-    to 256 on the unstrided 128-channel layer (146 vs 103) and at 7x7 (147 vs
-    113, half a wave of blocks); more warps pay where each thread's loads
-    spread over more memory (strided) or its code is longer (512 channels).
+    164. The thread counts were chosen on cold times (MANY_THREADS_MIN_OUTPUT):
+    inside a network each block fetches its code from DRAM, and more warps
+    walking the same code wait less for it. 512 threads lost to 256 on the
+    unstrided 128-channel layer (hot, 146 vs 103).
     Other convs: the direct family (default_direct_tiling).
 
     Direct family: 32 output channels per block (16 or 8 when R*S is large), one output per
@@ -509,7 +514,9 @@ def default_tiling(shape: ConvShape) -> Tiling:
     pixels = shape.out_h * shape.out_w
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
     if deep and pixels <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
-        wide = pixels >= MANY_THREADS_MIN_OUTPUT and (shape.stride != (1, 1) or shape.c_per_group >= 512)
+        if pixels < MANY_THREADS_MIN_OUTPUT:  # 7x7: 512 threads, half the channels a block to fill a wave
+            return pointwise_tiling(shape, 32, 1, 512)
+        wide = shape.stride != (1, 1) or shape.c_per_group >= MANY_THREADS_MIN_CHANNELS
         return pointwise_tiling(shape, 64, 1, 512 if wide else 256)
     return default_direct_tiling(shape)
 
@@ -660,7 +667,7 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     shrunk as in the default for large kernels, at most 64 accumulators per
     thread. 1x1 convs: pointwise-family tilings (_POINTWISE_CANDIDATES).
     Larger kernels: the default first, then _CANDIDATES of the direct family,
-    then two of the pointwise family where its tap count allows."""
+    then three of the pointwise family where its tap count allows."""
     out = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         out.append(default_pointwise_tiling(shape))
@@ -670,7 +677,9 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
                 out.append(t)
         return out[:limit]
     out.append(default_tiling(shape))
-    wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256)] \
+    # 512 threads: more warps share each fetched instruction, which is what a
+    # deep layer's cold code needs (docs/PERFORMANCE.md, session 11)
+    wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256, 512)] \
         if shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS else []
     for k_block, thread_w, threads, min_blocks in _CANDIDATES:
         k_block = _k_block(shape, k_block)

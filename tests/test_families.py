@@ -7,9 +7,9 @@ import pytest
 from sparseconv.render import epilogue_code, render, template_name
 from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, L2_GROUP_BYTES, MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE,
                                SMALL_BATCH_POINTWISE_OUTPUT, ConvShape, Epilogue, Tiling, batch_variants,
-                               blocks_per_image, check_tiling, default_direct_tiling, default_tiling, launch_grid,
-                               max_batch_per_launch, n_chunks, n_kblocks, padded_channels, patch_buffer_bytes,
-                               pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
+                               blocks_per_image, candidate_tilings, check_tiling, default_direct_tiling, default_tiling,
+                               launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
+                               patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -25,18 +25,19 @@ def test_1x1_convs_get_the_pointwise_family_by_depth():
 
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():
     """Deep 3x3 convs with outputs up to 28x28 take the pointwise family at
-    large batches: 256 threads, 512 where strided or 512+ channels on 14x14 or
-    more (measured, shapes.default_tiling); shallow layers and large kernels
-    stay direct."""
-    threads = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): 256,      # layer4.1.conv2: 512 is half a wave
-               ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): 256,    # layer3.1.conv2
-               ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): 512,    # layer3.0.conv2: strided
-               ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): 512,    # VGG-16 conv5_x
-               ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): 256,    # layer2.1.conv2
-               ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): 512}    # VGG-16 conv4_2
-    for shape, n in threads.items():
+    large batches: 512 threads where strided or 256+ channels (32 output
+    channels a block at 7x7, to fill a wave), else 256 (measured cold,
+    shapes.default_tiling); shallow layers and large kernels stay direct."""
+    tilings = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): (32, 512, 8),     # layer4.1.conv2: 7x7
+               ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1)): (32, 512, 8),   # layer4.0.conv2: 14 -> 7
+               ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # layer3.1.conv2
+               ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): (64, 512, 4),   # layer3.0.conv2: strided
+               ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # VGG-16 conv5_x
+               ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 256, 4),   # layer2.1.conv2
+               ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 512, 4)}   # VGG-16 conv4_2
+    for shape, (k_block, threads, c_block) in tilings.items():
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 64, n, 4)
+        assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", k_block, threads, c_block)
         split = split_tiling(shape, t)
         if shape.out_h * shape.out_w <= SMALL_BATCH_POINTWISE_OUTPUT:
             # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split)
@@ -209,3 +210,12 @@ def test_pointwise_layers_of_at_most_64_channels_take_ptxas_O1():
     assert default_tiling(ConvShape(64, 64, 56, 56, 1, 1)).ptxas_level == 1
     assert default_tiling(ConvShape(256, 128, 56, 56, 1, 1)).ptxas_level == 3
     assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).ptxas_level == 3
+
+
+def test_tuning_candidates_of_a_deep_3x3_include_512_pointwise_threads():
+    """Cold, a deep layer's code costs less the more warps share it (session
+    11: layer4.x.conv2 at batch 64 273 us cold with 256 threads, 158 with 512),
+    so `tiling="auto"` gets a 512-thread pointwise candidate to time."""
+    deep = ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1))
+    threads = {t.threads for t in candidate_tilings(deep) if t.family == "pointwise"}
+    assert {128, 256, 512} <= threads
