@@ -6,10 +6,14 @@ shape, device and batch, so compiling the same layer again does not tune again.
     kernel = compile_conv2d(w, input_size=(56, 56), padding=1, backend="auto")
     kernel.stats["tuning"]   # what was measured and chosen
 
-Timing, on a fresh random input of `batch` images: tilings are ranked by
-CUDA-graph replays (launch overhead excluded, which at small batches is larger
-than the kernel), the best of TUNING_ROUNDS interleaved rounds, so one noisy
-measurement does not decide. The dense candidate is torch.nn.functional.conv2d
+Timing, on a fresh random input of `batch` images: tilings are ranked by their
+cold time, as a layer runs inside a network: CUDA-graph replays (launch
+overhead excluded, which at small batches is larger than the kernel) with L2
+overwritten and the input read back before each call (timing.time_cold, as
+routing times). Hot and cold rankings differ: ResNet-50's layer4.x.conv2 at
+batch 64 ran 112 us hot and 273 cold with 256 threads, 157 and 158 with 512
+(docs/PERFORMANCE.md, session 11). The best of TUNING_ROUNDS interleaved
+rounds counts, so one noisy measurement does not decide. The dense candidate is torch.nn.functional.conv2d
 (cuDNN) in strict fp32 (TF32 off), since sparseconv promises exact fp32 either
 way; it is compared with the best tiling by CUDA events around back-to-back
 launches, the same method for both.
@@ -28,7 +32,7 @@ from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
 from .runtime import Conv2dKernel
 from .shapes import ConvShape, Epilogue, Target, Tiling, candidate_tilings, default_tiling
-from .timing import median_us, replay_us
+from .timing import cupy_graph, l2_flush, l2_scratch_floats, median_us, time_cold
 
 SPARSE, DENSE = "sparseconv", "dense"
 
@@ -68,7 +72,8 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     dense = dense_conv2d(weight, bias, shape) if consider_dense else None
     key = cache_key("tuning", SPECIALISER_FINGERPRINT, weight.tobytes(), repr(shape), target.arch, device, str(batch),
-                    repr(sorted(t.describe() for t in tilings)), str(dense is not None), epilogue.describe())
+                    repr(sorted(t.describe() for t in tilings)), str(dense is not None), epilogue.describe(),
+                    "cold")  # tunings timed hot (before session 11) are not reused
     note = "dense not timed: needs torch with CUDA" if consider_dense and dense is None else ""
     hit = cache.get_json("tuning", key)
     if hit is not None:
@@ -85,10 +90,14 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     res = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)) if epilogue.residual else None
     layers = {layer.tiling.describe(): layer for layer in built.values()}
     kernels = {d: Conv2dKernel(layer, bias) for d, layer in layers.items()}
+    flush = l2_flush(cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32),
+                     x, res)
     times: Dict[str, float] = {d: float("inf") for d in layers}
     for _ in range(TUNING_ROUNDS):  # interleaved: a slow spell of the GPU hits every candidate
         for d, kernel in kernels.items():
-            times[d] = min(times[d], replay_us(lambda: kernel(x, out=out, residual=res)))
+            cold = time_cold(lambda: kernel(x, out=out, residual=res), flush, repeat=20, max_seconds=0.2,
+                             capture=cupy_graph)
+            times[d] = min(times[d], cold.us)
     best = min(layers, key=lambda d: times[d])
     backend = SPARSE
     if dense is not None:  # like with like: both by events around launches
