@@ -9,6 +9,8 @@ A candidate "default" is the variant the rules build (shapes.batch_variants).
 With --no-time the script only runs each kernel a few times (for ncu).
 With --cold each call is also timed with L2 overwritten and x read back
 first, as a layer meets it inside a network (timing.time_cold).
+--epilogue times each candidate with each fused epilogue given (none, relu,
+add+relu: the residual add of a ResNet block's last conv, then ReLU).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import Target, check_tiling, pointwise_tiling, variant_for_batch
+from sparseconv.shapes import Epilogue, Target, check_tiling, pointwise_tiling, variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import resnet50, vgg16
@@ -50,12 +52,18 @@ def main() -> None:
                     help="default and/or k_block x threads x slices[x c_block], each with an optional :O1/:O2, "
                          "comma-separated")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--epilogue", default="none",
+                    help="comma-separated among none, relu, add+relu (residual add then ReLU)")
     ap.add_argument("--out", default="split_probe.json")
     ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
     ap.add_argument("--cold", action="store_true",
                     help="also time each call with L2 overwritten first and x read back (as inside a network)")
     args = ap.parse_args()
     nets = {"resnet50": dict(resnet50()), "vgg16": dict(vgg16())}
+    epilogues = {"none": Epilogue(), "relu": Epilogue("relu"), "add+relu": Epilogue("relu", residual=True)}
+    chosen = args.epilogue.split(",")
+    if not set(chosen) <= set(epilogues):
+        ap.error(f"--epilogue: each of {chosen} must be one of {sorted(epilogues)}")
     rng = np.random.default_rng(0)
     jobs, plan = [], []
     for lname in args.layers.split(","):
@@ -69,10 +77,11 @@ def main() -> None:
             except ValueError as e:
                 print(f"skip {lname} {c}: {e}", file=sys.stderr)
                 continue
-            key = f"{lname}|{t.describe()}"
-            if key not in {j.name for j in jobs}:
-                jobs.append(LayerJob(key, w, shape, t))
-                plan.append((lname, c, shape, key))
+            for e in chosen:
+                key = f"{lname}|{t.describe()}|{e}"
+                if key not in {j.name for j in jobs}:
+                    jobs.append(LayerJob(key, w, shape, t, epilogues[e]))
+                    plan.append((lname, c if e == "none" else f"{c} {e}", shape, key))
     t0 = time.time()
     built = build_many(jobs, target=Target("sm_90"), progress=True)
     print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -84,31 +93,33 @@ def main() -> None:
         x = cupy.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
         out = cupy.empty((n, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
         k = Conv2dKernel(layer, rng.standard_normal(shape.out_channels).astype(np.float32))
-        k(x, out=out)
+        res = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)) if layer.epilogue.residual else None
+        k(x, out=out, residual=res)
         _, _, fn = k.variant(n)
         slices = layer.tiling.slices
         ws = cupy.empty((slices,) + out.shape, cupy.float32) if slices > 1 else out
 
         def main_only():
             fn(layer.grid(n), (layer.tiling.threads, 1, 1),
-               (x, ws, k._bias, np.uint64(0), np.int32(n), np.int32(layer.chunks)), shared_mem=layer.shared_bytes)
+               (x, ws, k._bias, np.uint64(0) if res is None or slices > 1 else res, np.int32(n),
+                np.int32(layer.chunks)), shared_mem=layer.shared_bytes)
 
         def reduce_only():
             reduce_slices(k.device_id, ws, out)
         if args.no_time:
             for _ in range(3):
-                k(x, out=out)
+                k(x, out=out, residual=res)
             cupy.cuda.Device().synchronize()
             continue
-        row = dict(layer=lname, cand=c, shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
+        row = dict(layer=lname, cand=c, epilogue=layer.epilogue.describe(), shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
                    grid=list(layer.grid(n)), threads=layer.tiling.threads,
                    cubin_bytes=layer.stats.get("artifact_bytes"),
-                   call_us=time_gpu(lambda: k(x, out=out), repeat=30, max_seconds=0.3, capture=cupy_graph).us,
+                   call_us=time_gpu(lambda: k(x, out=out, residual=res), repeat=30, max_seconds=0.3, capture=cupy_graph).us,
                    main_us=time_gpu(main_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us)
         if slices > 1:
             row["reduce_us"] = time_gpu(reduce_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us
         if args.cold:
-            row["call_cold_us"] = time_cold(lambda: k(x, out=out), l2_flush(flush, x), repeat=30,
+            row["call_cold_us"] = time_cold(lambda: k(x, out=out, residual=res), l2_flush(flush, x), repeat=30,
                                             max_seconds=0.3, capture=cupy_graph).us
         rows.append(row)
         cold = f" cold {row['call_cold_us']:6.1f}" if args.cold else ""
