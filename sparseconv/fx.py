@@ -14,6 +14,7 @@ and the plan says why nothing was fused.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -25,6 +26,7 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
+from .pool import MaxPoolShape, max_pool2d
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -252,6 +254,64 @@ class FusedLinear(_KernelNode):
         text = (f"{self.layer_name}: {self.in_features} -> {self.out_features}, "
                 f"fused={'+'.join(self.fused) or 'nothing'}")
         return text + self._kernel_repr()
+
+
+# Outputs per (n, c) plane from which IndexFreeMaxPool2d runs its kernel: it
+# gives each plane its own blocks, and on VGG-16's pool5 (7x7 outputs) it was
+# slower than torch's pool (H100, bench/pool_bench.py, session 12: 22.1 vs
+# 20.9 us at batch 64; pool4's 14x14, 67 vs 81 us, is kept).
+MIN_POOL_PLANE = 128
+
+
+class IndexFreeMaxPool2d(nn.Module):
+    """An nn.MaxPool2d whose CUDA float32 inputs run sparseconv.pool's kernel:
+    the same maxima, without the int64 indices torch's CUDA pool also writes.
+    Other inputs (CPU, other dtypes, unbatched, autograd, planes of fewer
+    than MIN_POOL_PLANE outputs) run F.max_pool2d."""
+
+    def __init__(self, pool: nn.MaxPool2d, name: str) -> None:
+        super().__init__()
+        self.shape = MaxPoolShape.of(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+        self.layer_name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        if not x.is_cuda or x.dtype != torch.float32 or x.dim() != 4 or (x.requires_grad and torch.is_grad_enabled()) \
+                or math.prod(s.output_size(x.shape[2], x.shape[3])) < MIN_POOL_PLANE:
+            return F.max_pool2d(x, s.kernel, s.stride, s.padding, s.dilation, s.ceil_mode)
+        import cupy
+
+        from . import runtime
+
+        x = x.detach().contiguous()
+        out = torch.empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]), dtype=torch.float32, device=x.device)
+        if out.numel():  # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
+            index = x.device.index
+            with cupy.cuda.Device(index), runtime.as_cupy_stream(torch.cuda.current_stream(x.device), index,
+                                                                self.layer_name):
+                max_pool2d(index, cupy.from_dlpack(x), cupy.from_dlpack(out), s)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: {self.shape}, no indices"
+
+
+def swap_max_pools(module: nn.Module) -> List[str]:
+    """Replace each nn.MaxPool2d submodule of `module` (a graph module or a
+    plain one, changed in place) that does not return indices by an
+    IndexFreeMaxPool2d; returns the names replaced."""
+    names = [name for name, m in module.named_modules()
+             if name and type(m) is nn.MaxPool2d and not m.return_indices]
+    swapped = []
+    for name in names:
+        try:
+            pool = IndexFreeMaxPool2d(module.get_submodule(name), name)
+        except ValueError:  # a window torch itself refuses (padding over half the kernel): left to torch
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, pool)
+        swapped.append(name)
+    return swapped
 
 
 # -- eligibility ---------------------------------------------------------------------------------------------------

@@ -208,6 +208,7 @@ def test_full_resnet50_batch2_matches_float64(session_cache_dir):
         # routed by measurement at batch 1 and 64 (the default), the times in the plan
         assert p.action in ("sparseconv", "dense", "mixed") and "cuDNN fp32" in p.reason, p
     assert kinds == {("bn", "relu"): 33, ("bn", "add", "relu"): 16, ("bn",): 4}
+    assert fast.sparseconv_pools == ["maxpool"]  # the stem's pool, without indices, inside the graph
     with torch.no_grad():
         y = fast(x)
     ref = _float64_output(net, x)
@@ -240,3 +241,24 @@ def test_routing_by_batch_size_runs_each_path_exactly(session_cache_dir):
                 for m in convs:
                     m.route = [(ANY_BATCH, path)]
                 assert relative_l2(fast(x).cpu().numpy(), ref) <= 1e-5, path
+
+
+@pytest.mark.parametrize("pool", [(3, 2, 1, 1, False), (2, 2, 0, 1, False), ((3, 2), (1, 2), (1, 0), (2, 1), False),
+                                  (3, 2, 1, 1, True)], ids=str)
+def test_index_free_max_pool_equals_torchs_bit_for_bit(pool):
+    from sparseconv.fx import IndexFreeMaxPool2d
+
+    k, s, p, d, ceil = pool
+    torch_pool = nn.MaxPool2d(k, s, p, d, ceil_mode=ceil)
+    ours = IndexFreeMaxPool2d(torch_pool, "pool")
+    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    x = torch.randn(3, 5, 57, 30, device="cuda", generator=gen)
+    x[0, 0, 3, 3], x[2, 4, 10, 7], x[1, 1] = float("nan"), float("inf"), float("-inf")
+    with torch.no_grad():
+        y = ours(x)
+    want = torch_pool(x)
+    assert y.shape == want.shape and torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(want))
+    assert torch.equal(ours(x[:0]), torch_pool(x[:0]))  # an empty batch
+    small = x[:, :, :12, :12]  # planes under MIN_POOL_PLANE outputs: torch's pool
+    assert torch.equal(torch.nan_to_num(ours(small)), torch.nan_to_num(torch_pool(small)))

@@ -1,0 +1,108 @@
+"""CPU: sparseconv.pool's max-pool kernel, compiled by nvcc as NVRTC compiles
+it at run time and executed in the PTX interpreter, against torch's
+F.max_pool2d (CPU) bit for bit, NaN and infinities included; its output
+sizes against torch's; and the front end's swap of nn.MaxPool2d."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from sparseconv.compile import compile_to_ptx
+from sparseconv.fx import IndexFreeMaxPool2d, swap_max_pools
+from sparseconv.pool import _MAX_POOL_SOURCE, MaxPoolShape
+from sparseconv.shapes import Target
+
+from ptx_interpreter import run_kernel
+
+POOLS = [MaxPoolShape.of(3, 2, 1),                       # ResNet's stem pool
+         MaxPoolShape.of(2, 2),                          # VGG's
+         MaxPoolShape.of((3, 2), (1, 2), (1, 0), (2, 1)),  # dilated, non-square
+         MaxPoolShape.of(3, 2, 1, ceil_mode=True)]       # a last window past the input
+
+
+@pytest.fixture(scope="module")
+def pool_ptx() -> str:
+    return compile_to_ptx(_MAX_POOL_SOURCE, Target(), "the max pool")
+
+
+def torch_pool(x: np.ndarray, s: MaxPoolShape) -> np.ndarray:
+    return F.max_pool2d(torch.from_numpy(x), s.kernel, s.stride, s.padding, s.dilation, s.ceil_mode).numpy()
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("pool", POOLS, ids=str)
+def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool_ptx, pool):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 7, 9)).astype(np.float32)
+    x[0, 0, 2, 3], x[1, 2, 0, 0], x[0, 1, 4, 4] = np.nan, np.inf, -np.inf  # NaN propagates, as in torch
+    x[1, 1] = -np.inf                                                     # a plane of -inf: no padding wins
+    oh, ow = pool.output_size(7, 9)
+    y = np.full((2, 3, oh, ow), 12345.0, np.float32)
+    # fewer blocks than planes and fewer threads than pixels: both grid-stride loops run
+    run_kernel(pool_ptx, "sc_max_pool2d", grid=(2, 4, 1), block=(4, 1, 1),
+               args=[x, y, 6, 7, 9, oh, ow, *pool.kernel, *pool.stride, *pool.padding, *pool.dilation])
+    want = torch_pool(x, pool)
+    assert y.shape == want.shape
+    assert np.array_equal(y, want, equal_nan=True)
+    assert np.isnan(y).any()
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 7, 8, 112, 113])
+def test_output_sizes_match_torch(size):
+    for k in (1, 2, 3, 5):
+        for s in (1, 2, 3):
+            for p in range(k // 2 + 1):
+                for d in (1, 2):
+                    for ceil in (False, True):
+                        pool = MaxPoolShape.of(k, s, p, d, ceil)
+                        try:
+                            want = F.max_pool2d(torch.zeros(1, 1, size, size), k, s, p, d, ceil).shape[2:]
+                        except RuntimeError:  # torch: the output would be empty
+                            with pytest.raises(ValueError, match="gives no output"):
+                                pool.output_size(size, size)
+                            continue
+                        assert pool.output_size(size, size) == tuple(want), pool
+
+
+def test_windows_torch_refuses_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="padding must be at most half"):
+        MaxPoolShape.of(2, 2, 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        MaxPoolShape.of(3, 0)
+    assert MaxPoolShape.of(3, None).stride == (3, 3)  # torch's default: stride = kernel
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.block = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2))
+        self.indexed = nn.MaxPool2d(2, return_indices=True)  # its indices are used: never swapped
+
+    def forward(self, x):
+        y, idx = self.indexed(self.block(self.pool(self.conv(x))))
+        return y + idx.float()
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_front_end_swaps_every_max_pool_without_indices(traced):
+    torch.manual_seed(0)
+    net = _Net().eval()
+    x = torch.randn(2, 3, 16, 16)
+    want = net(x)
+    module = fx.symbolic_trace(net) if traced else net
+    assert swap_max_pools(module) == ["pool", "block.1"]
+    assert isinstance(module.get_submodule("pool"), IndexFreeMaxPool2d)
+    assert type(module.get_submodule("indexed")) is nn.MaxPool2d
+    assert torch.equal(module(x), want)  # CPU input: torch's pool, same graph
+    assert "no indices" in repr(module.get_submodule("block.1"))
+
+
+def test_sparsify_checks_its_pools_option():
+    from sparseconv.torch import sparsify
+
+    with pytest.raises(TypeError, match="pools must be True or False"):
+        sparsify(_Net(), torch.randn(1, 3, 8, 8), pools="yes")
