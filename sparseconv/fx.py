@@ -276,15 +276,17 @@ class IndexFreeMaxPool2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
-        if not x.is_cuda or x.dtype != torch.float32 or x.dim() != 4 or (x.requires_grad and torch.is_grad_enabled()) \
-                or math.prod(s.output_size(x.shape[2], x.shape[3])) < MIN_POOL_PLANE:
+        ours = x.is_cuda and x.dtype == torch.float32 and x.dim() == 4 \
+            and not (x.requires_grad and torch.is_grad_enabled())
+        size = s.output_size(x.shape[2], x.shape[3]) if ours else (0, 0)
+        if math.prod(size) < MIN_POOL_PLANE:
             return F.max_pool2d(x, s.kernel, s.stride, s.padding, s.dilation, s.ceil_mode)
         import cupy
 
         from . import runtime
 
         x = x.detach().contiguous()
-        out = torch.empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]), dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape[:2] + size, dtype=torch.float32, device=x.device)
         if out.numel():  # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
             index = x.device.index
             with cupy.cuda.Device(index), runtime.as_cupy_stream(torch.cuda.current_stream(x.device), index,
