@@ -31,16 +31,24 @@ from sparseconv.zoo import resnet50, vgg16
 
 
 def parse_cand(shape, text: str, batch: int):
-    """"default" or k_block x threads x slices[x c_block], either with an
-    optional ":O<level>" (ptxas optimisation level)."""
-    text, _, level = text.partition(":O")
+    """"default" or k_block x threads x slices[x c_block], each with optional
+    suffixes ":O<level>" (ptxas optimisation level) and ":B<n>" (min_blocks:
+    n blocks per SM, which caps the registers per thread), e.g. 64x256x1:B2."""
+    text, *suffixes = text.split(":")
     if text == "default":
         t = variant_for_batch(shape, batch)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
         t = replace(t, c_block=cb[0]) if cb else t
-    return replace(t, ptxas_level=int(level)) if level else t
+    for suffix in suffixes:
+        if suffix[:1] == "O" and suffix[1:].isdigit():
+            t = replace(t, ptxas_level=int(suffix[1:]))
+        elif suffix[:1] == "B" and suffix[1:].isdigit():
+            t = replace(t, min_blocks=int(suffix[1:]))
+        else:
+            raise ValueError(f"candidate {text!r}: unknown suffix :{suffix} (use :O<level> or :B<blocks per SM>)")
+    return t
 
 
 def main() -> None:
@@ -49,8 +57,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
-                    help="default and/or k_block x threads x slices[x c_block], each with an optional :O1/:O2, "
-                         "comma-separated")
+                    help="default and/or k_block x threads x slices[x c_block], each with optional :O<level> "
+                         "and :B<blocks per SM>, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")
