@@ -308,7 +308,7 @@ def swap_max_pools(module: nn.Module) -> List[str]:
     for name in names:
         try:
             pool = IndexFreeMaxPool2d(module.get_submodule(name), name)
-        except ValueError:  # a window torch itself refuses (padding over half the kernel): left to torch
+        except (TypeError, ValueError):  # a window torch itself refuses: left to torch
             continue
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, pool)

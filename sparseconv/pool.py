@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
+from .shapes import pair
+
 IntPair = Tuple[int, int]
 
 _MAX_POOL_SOURCE = r"""
@@ -48,13 +50,6 @@ extern "C" __global__ void sc_max_pool2d(const float* __restrict__ x, float* __r
 _kernels: Dict[int, Any] = {}
 
 
-def _pair(v: Any, what: str) -> IntPair:
-    pair = (v, v) if isinstance(v, int) else tuple(v)
-    if len(pair) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in pair):
-        raise ValueError(f"max pool: {what} must be an int or a pair of ints, got {v!r}")
-    return pair  # type: ignore[return-value]
-
-
 @dataclass(frozen=True)
 class MaxPoolShape:
     """A 2-D max pool's window, as torch.nn.MaxPool2d takes it (stride
@@ -69,10 +64,10 @@ class MaxPoolShape:
     @staticmethod
     def of(kernel_size: Any, stride: Any, padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False
            ) -> "MaxPoolShape":
-        kernel = _pair(kernel_size, "kernel_size")
+        kernel = pair(kernel_size, "max pool kernel_size")
         stride = kernel if stride is None or stride == () or stride == [] else stride  # torch's default
-        shape = MaxPoolShape(kernel, _pair(stride, "stride"), _pair(padding, "padding"),
-                             _pair(dilation, "dilation"), bool(ceil_mode))
+        shape = MaxPoolShape(kernel, pair(stride, "max pool stride"), pair(padding, "max pool padding"),
+                             pair(dilation, "max pool dilation"), bool(ceil_mode))
         if min(shape.kernel + shape.stride + shape.dilation) < 1 or min(shape.padding) < 0:
             raise ValueError(f"max pool: kernel, stride and dilation must be >= 1 and padding >= 0, got {shape}")
         if any(2 * p > k for p, k in zip(shape.padding, shape.kernel)):

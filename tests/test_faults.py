@@ -697,6 +697,15 @@ def test_sparsify_refuses_bad_route_batches(route_batches):
         sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
 
 
+@pytest.mark.parametrize("pools", ["yes", 1, None])
+def test_sparsify_refuses_a_pools_option_that_is_not_a_bool(pools):
+    torch = pytest.importorskip("torch")
+    import sparseconv.torch as sct
+
+    with pytest.raises(TypeError, match="sparsify: pools must be True or False"):
+        sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), pools=pools)
+
+
 def test_bench_network_option_refuses_bad_input_with_usage_errors():
     """`sparseconv bench --network`: the same checks through the bench command."""
     pytest.importorskip("torch")

@@ -71,6 +71,8 @@ def test_windows_torch_refuses_are_refused_with_the_reason():
         MaxPoolShape.of(2, 2, 2)
     with pytest.raises(ValueError, match=">= 1"):
         MaxPoolShape.of(3, 0)
+    with pytest.raises(TypeError, match="max pool kernel_size must be an int or a pair of ints"):
+        MaxPoolShape.of(2.5, 2)
     assert MaxPoolShape.of(3, None).stride == (3, 3)  # torch's default: stride = kernel
 
 
@@ -99,10 +101,3 @@ def test_the_front_end_swaps_every_max_pool_without_indices(traced):
     assert type(module.get_submodule("indexed")) is nn.MaxPool2d
     assert torch.equal(module(x), want)  # CPU input: torch's pool, same graph
     assert "no indices" in repr(module.get_submodule("block.1"))
-
-
-def test_sparsify_checks_its_pools_option():
-    from sparseconv.torch import sparsify
-
-    with pytest.raises(TypeError, match="pools must be True or False"):
-        sparsify(_Net(), torch.randn(1, 3, 8, 8), pools="yes")
