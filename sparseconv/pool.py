@@ -92,23 +92,32 @@ class MaxPoolShape:
 def max_pool2d(device_id: int, x: Any, y: Any, pool: MaxPoolShape) -> None:
     """y = max pool of x (CuPy float32 arrays, C-contiguous, (N, C, H, W) and
     (N, C) + pool.output_size(H, W)) on the current stream."""
-    import cupy
-    import numpy as np
-
     n, c, in_h, in_w = x.shape
     out_h, out_w = pool.output_size(in_h, in_w)
     if tuple(y.shape) != (n, c, out_h, out_w):
         raise ValueError(f"max pool {pool}: y must have shape {(n, c, out_h, out_w)}, got {tuple(y.shape)}")
+    launch_max_pool(device_id, x, y, pool.kernel, pool.stride, pool.padding, pool.dilation)
+
+
+def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: IntPair, pad_top_left: IntPair,
+                    dilation: IntPair) -> None:
+    """The kernel launch behind max_pool2d, for callers that size y
+    themselves (ONNX's pads may differ at the bottom and right, and its
+    ceil_mode adds a partial window: the kernel skips whatever falls outside
+    x). Window (i, j) starts at (i * stride - top, j * stride - left)."""
+    import cupy
+    import numpy as np
+
+    n, c, in_h, in_w = x.shape
+    out_h, out_w = y.shape[2:]
     if device_id not in _kernels:
         _kernels[device_id] = cupy.RawKernel(_MAX_POOL_SOURCE, "sc_max_pool2d")
-    total = y.size
-    if total == 0:
+    if y.size == 0:
         return
     # Up to 256 threads per plane, fewer for small planes (VGG-16's pool5 has
     # 49 outputs: 256 threads left 80% idle and ran slower than torch's pool).
     threads = min(256, 32 * -(-(out_h * out_w) // 32))
     _kernels[device_id]((min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,), (
         x, y, np.int64(n * c), np.int32(in_h), np.int32(in_w), np.int32(out_h), np.int32(out_w),
-        np.int32(pool.kernel[0]), np.int32(pool.kernel[1]), np.int32(pool.stride[0]), np.int32(pool.stride[1]),
-        np.int32(pool.padding[0]), np.int32(pool.padding[1]), np.int32(pool.dilation[0]),
-        np.int32(pool.dilation[1])))
+        np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+        np.int32(pad_top_left[0]), np.int32(pad_top_left[1]), np.int32(dilation[0]), np.int32(dilation[1])))

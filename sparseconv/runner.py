@@ -38,6 +38,7 @@ from .dense import conv2d_im2col, epilogue_reference
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
+from .pool import launch_max_pool
 from .routing import DENSE, SPARSE, RouteChoice, check_route_batches, choose_route
 from .runtime import DenseConv2dKernel
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
@@ -105,6 +106,11 @@ def _pool(xp: Any, x: Any, attrs: Dict[str, Any], reduce: str) -> Any:
     # Extra bottom/right padding for ceil_mode; it never counts as data.
     eh = max(0, (ho - 1) * sh + kh - (h + top + bottom))
     ew = max(0, (wo - 1) * sw + kw - (w + left + right))
+    if reduce == "max" and getattr(xp, "__name__", "") == "cupy" and x.dtype == np.float32:
+        # One kernel pass, no padded copy (sparseconv.pool); the same maxima.
+        y = xp.empty((n, c, ho, wo), dtype=x.dtype)
+        launch_max_pool(xp.cuda.Device().id, xp.ascontiguousarray(x), y, (kh, kw), (sh, sw), (top, left), (1, 1))
+        return y
     fill = -np.inf if reduce == "max" else 0.0
     xpad = xp.full((n, c, h + top + bottom + eh, w + left + right + ew), fill, dtype=x.dtype)
     xpad[:, :, top:top + h, left:left + w] = x

@@ -101,3 +101,21 @@ def test_the_front_end_swaps_every_max_pool_without_indices(traced):
     assert type(module.get_submodule("indexed")) is nn.MaxPool2d
     assert torch.equal(module(x), want)  # CPU input: torch's pool, same graph
     assert "no indices" in repr(module.get_submodule("block.1"))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("pads,ceil", [((1, 0, 0, 1), 0), ((0, 0, 0, 0), 1), ((1, 1, 1, 1), 1)])
+def test_the_kernel_gives_the_onnx_runners_maxima_with_uneven_pads(pool_ptx, pads, ceil):
+    """sparseconv run pools with this kernel on the GPU (runner._pool): top and
+    left pads go to the kernel, bottom, right and ceil_mode only size the output."""
+    from sparseconv.runner import _pool
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 8, 7)).astype(np.float32)
+    x[1, 0, 0, 0] = np.nan
+    attrs = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": pads, "ceil_mode": ceil}
+    want = _pool(np, x, attrs, "max")  # the NumPy path: a padded copy, then maxima of shifted views
+    y = np.full(want.shape, 12345.0, np.float32)
+    run_kernel(pool_ptx, "sc_max_pool2d", grid=(1, 6, 1), block=(32, 1, 1),
+               args=[x, y, 6, 8, 7, *want.shape[2:], 3, 3, 2, 2, pads[0], pads[1], 1, 1])
+    assert np.array_equal(y, want, equal_nan=True)
