@@ -432,6 +432,21 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
 POINTWISE_O1_MAX_CHANNELS = 64
 
 
+# Input channels from which a strided 1x1 takes 256 threads x 64 output
+# channels capped at 2 blocks per SM (128 registers), rather than 512 threads;
+# and input channels from which an unstrided 1x1 that widens (K > C) takes
+# 32 output channels x 128 threads, 4 blocks per SM. Chosen on cold times at
+# batch 64 (bench/split_probe.py --cold, session 13, docs/PERFORMANCE.md):
+# ResNet-50's expanding conv3 layers, with their residual add, were 182 -> 142
+# us (layer2), 142 -> 106 (layer3), 107 -> 89 (layer4): uncapped 64-channel
+# blocks use 254 registers, 8 warps per SM, too few to hide the loads;
+# layer3.0.downsample 197 -> 161, layer4.0.downsample 200 -> 193.
+# Layer1's (64 input channels) and layer2.0.downsample (256) were as fast or
+# faster under the old rule.
+STRIDED_CAPPED_MIN_CHANNELS = 512
+WIDENING_MIN_CHANNELS = 128
+
+
 def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     """The pointwise family's default, from two sweeps on the H100
     (bench/family_sweep.py, ResNet-50's 15 distinct 1x1 layers at batch 64,
@@ -442,11 +457,28 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     of a deep layer's block is long straight-line code, and the more warps walk
     it together, the less each waits on instruction fetch (512 threads: 2.2x
     faster than 128 on layer3's 1024->256). Within 1.2x of the best of six
-    candidates on every layer."""
+    candidates on every layer.
+
+    Three exceptions, chosen on cold times (session 13): strided layers with
+    STRIDED_CAPPED_MIN_CHANNELS+ inputs and unstrided widening layers with
+    WIDENING_MIN_CHANNELS+ inputs (see there); and other layers whose images
+    have fewer than MANY_THREADS_MIN_OUTPUT pixels (7x7, but not a Linear
+    layer's single pixel): 32 channels x 512 threads, twice the blocks of 64
+    channels, where 64-channel blocks fill under half a wave at batch 64
+    (ResNet-50 layer4.1.conv1, 2048 -> 512: 122 -> 84 us cold), as for the
+    deep 3x3 layers at 7x7 (default_tiling)."""
     if shape.k_per_group <= 128:
         level = 1 if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else 3
         return replace(pointwise_tiling(shape, 128, 1, 128), ptxas_level=level)
     c = shape.c_per_group
+    pixels = shape.out_h * shape.out_w
+    if shape.stride != (1, 1):
+        if c >= STRIDED_CAPPED_MIN_CHANNELS:
+            return pointwise_tiling(shape, 64, 1, 256, min_blocks=2)
+    elif shape.k_per_group > c >= WIDENING_MIN_CHANNELS:
+        return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)
+    elif 1 < pixels < MANY_THREADS_MIN_OUTPUT:
+        return pointwise_tiling(shape, 32, 1, 512)
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
 
 
@@ -455,6 +487,15 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
 # (each tap of each pixel keeps a pointer in registers).
 SMALL_OUTPUT = 28 * 28
 MAX_POINTWISE_TAPS = 9
+# Input channels (per group) from which a deep conv with larger outputs takes
+# the pointwise family too, 64 output channels x 256 threads. Measured cold at
+# batch 64 (bench/split_probe.py --cold, session 13): against the direct
+# family, ResNet-50 layer1.1.conv2 (64 channels, 56x56) 152 -> 58 us, VGG-16
+# conv1_2 (64, 224x224) 1,810 -> 882, conv2_2 (128, 112x112) 1,757 -> 1,514,
+# conv3_2 (256, 56x56) 2,281 -> 1,756. 512 threads (128 registers) tied on
+# two and lost on conv2_2 (1,891); 32 channels lost on all four. Fewer
+# channels than this were not measured.
+LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
 # Outputs per image at or below which a deep conv's small-batch variant is
 # split on the pointwise family too; between this and SMALL_OUTPUT it is split
 # on the direct family. Measured cold at batch 1 (bench/split_probe.py --cold,
@@ -485,7 +526,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
     with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
     taps): the pointwise family too, 1 pixel a thread, and 512 threads x 64
     output channels where the layer is strided or has 256+ input channels,
-    512 x 32 at 7x7 outputs, else 256 x 64. There the direct family's blocks
+    512 x 32 at 7x7 outputs, else 128 x 32 at 4 blocks per SM. There the direct family's blocks
     shrink to one image's outputs (49 threads at 7x7), while the pointwise
     family folds the batch into its pixels. Measured on the H100 at batch 64
     (bench/family_sweep.py --only wide, session 10): against the direct family,
@@ -493,8 +534,14 @@ def default_tiling(shape: ConvShape) -> Tiling:
     layer2.1.conv2 (28x28, 128) 148 -> 103, layer2.0.conv2 (strided) 260 ->
     164. The thread counts were chosen on cold times (MANY_THREADS_MIN_OUTPUT):
     inside a network each block fetches its code from DRAM, and more warps
-    walking the same code wait less for it. 512 threads lost to 256 on the
-    unstrided 128-channel layer (hot, 146 vs 103).
+    walking the same code wait less for it. On the unstrided layers with
+    fewer channels, 512 threads lost to 256 (ResNet-50 layer2.1.conv2, hot,
+    146 vs 103); there 32 output channels x 128 threads capped at 4 blocks per
+    SM beat both cold (session 13: 133 -> 110 us), as for the widening 1x1
+    layers (WIDENING_MIN_CHANNELS), while on every 256+-channel or strided
+    layer it lost by 1.4-1.5x. Larger outputs with
+    LARGE_OUTPUT_POINTWISE_MIN_CHANNELS+ input channels: the pointwise family,
+    64 x 256 threads (see there; 1.3-2.6x faster than the direct family).
     Other convs: the direct family (default_direct_tiling).
 
     Direct family: 32 output channels per block (16 or 8 when R*S is large), one output per
@@ -513,11 +560,16 @@ def default_tiling(shape: ConvShape) -> Tiling:
         return default_pointwise_tiling(shape)
     pixels = shape.out_h * shape.out_w
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
-    if deep and pixels <= SMALL_OUTPUT and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
+    if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
+        if pixels > SMALL_OUTPUT:
+            if shape.c_per_group >= LARGE_OUTPUT_POINTWISE_MIN_CHANNELS:
+                return pointwise_tiling(shape, 64, 1, 256)
+            return default_direct_tiling(shape)
         if pixels < MANY_THREADS_MIN_OUTPUT:  # 7x7: 512 threads, half the channels a block to fill a wave
             return pointwise_tiling(shape, 32, 1, 512)
-        wide = shape.stride != (1, 1) or shape.c_per_group >= MANY_THREADS_MIN_CHANNELS
-        return pointwise_tiling(shape, 64, 1, 512 if wide else 256)
+        if shape.stride != (1, 1) or shape.c_per_group >= MANY_THREADS_MIN_CHANNELS:
+            return pointwise_tiling(shape, 64, 1, 512)
+        return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)
     return default_direct_tiling(shape)
 
 
@@ -657,9 +709,11 @@ _CANDIDATES = ((32, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 2), (32, 1, 256, 1
                (32, 2, 256, 1), (16, 1, 256, 2), (64, 1, 128, 2), (32, 2, 128, 1))
 
 
-# (k_block, pixels per thread, threads) of the pointwise family worth timing
-# (bench/family_sweep.py, H100, 2026-11-23); the default comes first.
-_POINTWISE_CANDIDATES = ((64, 1, 512), (64, 1, 256), (64, 1, 128), (128, 1, 128), (128, 1, 64), (64, 2, 128))
+# (k_block, pixels per thread, threads, min_blocks) of the pointwise family
+# worth timing (bench/family_sweep.py, H100, 2026-11-23, and the capped
+# 32- and 64-channel blocks of session 13); the default comes first.
+_POINTWISE_CANDIDATES = ((64, 1, 512, 1), (32, 1, 128, 4), (64, 1, 256, 2), (32, 1, 512, 1), (64, 1, 256, 1),
+                         (64, 1, 128, 1), (128, 1, 128, 1), (128, 1, 64, 1), (64, 2, 128, 1))
 
 
 def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
@@ -671,8 +725,8 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     out = []
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         out.append(default_pointwise_tiling(shape))
-        for k_block, pixels, threads in _POINTWISE_CANDIDATES:
-            t = pointwise_tiling(shape, k_block, pixels, threads)
+        for k_block, pixels, threads, min_blocks in _POINTWISE_CANDIDATES:
+            t = pointwise_tiling(shape, k_block, pixels, threads, min_blocks)
             if t not in out:
                 out.append(t)
         return out[:limit]

@@ -16,28 +16,50 @@ from sparseconv.zoo import resnet50, vgg16
 def test_1x1_convs_get_the_pointwise_family_by_depth():
     shallow = default_tiling(ConvShape(64, 256, 56, 56, 1, 1))
     assert (shallow.family, shallow.k_block, shallow.threads) == ("pointwise", 64, 128)
-    assert default_tiling(ConvShape(256, 1024, 14, 14, 1, 1)).threads == 256
+    assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).threads == 512
     assert default_tiling(ConvShape(1024, 256, 14, 14, 1, 1)).threads == 512
+    assert default_tiling(ConvShape(256, 512, 56, 56, 1, 1, (2, 2))).threads == 256
     narrow = default_tiling(ConvShape(512, 128, 28, 28, 1, 1))  # one block of 128 covers K: x read once
     assert (narrow.k_block, narrow.threads) == (128, 128)
-    assert default_tiling(ConvShape(64, 64, 56, 56, 3, 3, padding=(1, 1))).family == "direct"
+    assert default_tiling(ConvShape(32, 32, 56, 56, 3, 3, padding=(1, 1))).family == "direct"
+
+
+def test_1x1_exceptions_chosen_on_cold_times():
+    """Widening layers from 128 inputs: 32 channels x 128 threads, 4 blocks
+    per SM; strided from 512 inputs: 64 x 256, 2 blocks per SM; 7x7 images:
+    32 x 512 (shapes.default_pointwise_tiling)."""
+    rows = {ConvShape(128, 512, 28, 28, 1, 1): (32, 128, 4),              # layer2.x.conv3
+            ConvShape(512, 2048, 7, 7, 1, 1): (32, 128, 4),               # layer4.x.conv3
+            ConvShape(64, 256, 56, 56, 1, 1): (64, 128, 1),               # layer1.x.conv3: old rule
+            ConvShape(512, 1024, 28, 28, 1, 1, (2, 2)): (64, 256, 2),     # layer3.0.downsample
+            ConvShape(1024, 2048, 14, 14, 1, 1, (2, 2)): (64, 256, 2),    # layer4.0.downsample
+            ConvShape(2048, 512, 7, 7, 1, 1): (32, 512, 1),               # layer4.x.conv1
+            ConvShape(1024, 512, 14, 14, 1, 1): (64, 512, 1)}             # layer4.0.conv1: old rule
+    for shape, want in rows.items():
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise",) + want, shape.describe()
+    assert default_tiling(ConvShape(128, 512, 28, 28, 1, 1)).max_registers == 128
+    linear_like = default_tiling(ConvShape(4096, 1000, 1, 1, 1, 1))  # one pixel: not the 7x7 rule
+    assert (linear_like.k_block, linear_like.threads) == (64, 512)
 
 
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():
     """Deep 3x3 convs with outputs up to 28x28 take the pointwise family at
     large batches: 512 threads where strided or 256+ channels (32 output
-    channels a block at 7x7, to fill a wave), else 256 (measured cold,
-    shapes.default_tiling); shallow layers and large kernels stay direct."""
+    channels a block at 7x7, to fill a wave), else 128 threads x 32 channels
+    at 4 blocks per SM (measured cold, shapes.default_tiling); shallow layers
+    and large kernels stay direct."""
     tilings = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): (32, 512, 8),     # layer4.1.conv2: 7x7
                ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1)): (32, 512, 8),   # layer4.0.conv2: 14 -> 7
                ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # layer3.1.conv2
                ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): (64, 512, 4),   # layer3.0.conv2: strided
                ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # VGG-16 conv5_x
-               ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 256, 4),   # layer2.1.conv2
+               ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): (32, 128, 8),   # layer2.1.conv2
                ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 512, 4)}   # VGG-16 conv4_2
     for shape, (k_block, threads, c_block) in tilings.items():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", k_block, threads, c_block)
+        assert t.min_blocks == (4 if threads == 128 else 1)
         split = split_tiling(shape, t)
         if shape.out_h * shape.out_w <= SMALL_BATCH_POINTWISE_OUTPUT:
             # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split)
@@ -46,9 +68,22 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
         else:  # 28x28: the direct family's split measured faster at batch 1
             assert split == split_tiling(shape, default_direct_tiling(shape))
             assert split.family == "direct" and split.slices >= 2
-    for shape in (ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
+    for shape in (ConvShape(32, 32, 56, 56, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
                   ConvShape(64, 64, 14, 14, 5, 5, (1, 1), (2, 2))):
         assert default_tiling(shape).family == "direct"
+
+
+def test_deep_convs_with_larger_outputs_get_64_channels_x_256_threads():
+    """From LARGE_OUTPUT_POINTWISE_MIN_CHANNELS input channels, 3x3 convs
+    above 28x28 take the pointwise family too (measured cold at batch 64);
+    their small-batch split stays on the direct family."""
+    for shape in (ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),      # ResNet-50 layer1.x.conv2
+                  ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1)),    # VGG-16 conv1_2
+                  ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1))):   # VGG-16 conv3_x
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise", 64, 256, 1)
+        split = split_tiling(shape, t)
+        assert split is None or split.family == "direct"
 
 
 def test_pointwise_tilings_prefer_a_c_block_that_divides_the_channels():
