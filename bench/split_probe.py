@@ -24,19 +24,23 @@ import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import Epilogue, Target, check_tiling, pointwise_tiling, variant_for_batch
+from sparseconv.shapes import (Epilogue, Target, batch_variants, check_tiling, default_direct_tiling, pointwise_tiling,
+                               variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import resnet50, vgg16
 
 
 def parse_cand(shape, text: str, batch: int):
-    """"default" or k_block x threads x slices[x c_block], each with optional
+    """"default", "direct" (the direct family's default and its split variant
+    for this batch) or k_block x threads x slices[x c_block], each with optional
     suffixes ":O<level>" (ptxas optimisation level) and ":B<n>" (min_blocks:
     n blocks per SM, which caps the registers per thread), e.g. 64x256x1:B2."""
     text, *suffixes = text.split(":")
     if text == "default":
         t = variant_for_batch(shape, batch)
+    elif text == "direct":
+        t = next(t for up_to, t in batch_variants(shape, default_direct_tiling(shape)) if batch <= up_to)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
@@ -57,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
-                    help="default and/or k_block x threads x slices[x c_block], each with optional :O<level> "
+                    help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level> "
                          "and :B<blocks per SM>, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
