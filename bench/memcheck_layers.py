@@ -38,6 +38,8 @@ FAMILY_LAYERS = {
     "family-direct-wide": ConvShape(3, 64, 32, 32, 3, 3, (1, 1), (1, 1)),
     # batch 20: 7 pixel blocks in 2 groups of 4 (shapes.launch_grid), one block past the batch
     "family-pointwise-grouped": ConvShape(1024, 256, 13, 13, 1, 1),
+    # 32 channels x 128 threads capped at 4 blocks per SM (a widening 1x1, shapes.default_pointwise_tiling)
+    "family-pointwise-capped": ConvShape(128, 512, 7, 7, 1, 1),
 }
 
 

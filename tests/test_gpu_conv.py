@@ -192,7 +192,8 @@ FAMILY_LAYERS = {
     "wide_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
     "wide_strided_14_to_7": (512, 512, 14, 14, 3, 3, (2, 2), (1, 1)),
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
-    "direct_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
+    "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
+    "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
 }
 
 
@@ -214,7 +215,7 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride, padding=s.padding,
                                      cache_dir=str(session_cache_dir), name=name)
     assert conv.layer.tiling.family == ("direct" if name.startswith("direct") else "pointwise")
-    if name == "mixed_28x28":  # measured faster split on the direct family (shapes.SMALL_BATCH_POINTWISE_OUTPUT)
+    if name.startswith("mixed"):  # measured faster split on the direct family (shapes.SMALL_BATCH_POINTWISE_OUTPUT)
         assert conv.variant(1)[1].tiling.family == "direct"
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
@@ -223,12 +224,13 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     if name == "pointwise_grouped_13x13":  # the batch-33 run had a block past the batch in its last group
         gx, _, gz = conv.variant(33)[1].grid(33)
         assert gz > 1 and gx * gz > pixel_blocks(s, conv.variant(33)[1].tiling, 33)
-    if "deep" in name or name in ("mixed_28x28", "direct_56x56"):
+    if "deep" in name or name in ("mixed_28x28", "mixed_56x56", "direct_56x56"):
         assert variants and variants[0]["up_to_batch"] >= 1, "a deep small layer gets a split variant"
 
 
 @pytest.mark.parametrize("activation,clip", [("relu", None), ("relu6", None), ("clip", (-0.3, 0.4))])
-@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "wide_14x14", "mixed_28x28", "direct_56x56", "pointwise_56"])
+@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "wide_14x14", "mixed_28x28", "mixed_56x56", "direct_56x56",
+                                  "pointwise_56"])
 def test_fused_epilogue_residual_and_activation(name, activation, clip, session_cache_dir):
     """y = act(conv(x) + bias + residual), against float64, through both
     variants of a split layer; residual may be the output buffer itself."""
