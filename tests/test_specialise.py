@@ -65,9 +65,13 @@ def test_pass_deletes_exactly_the_zero_weight_fmas(name, sparsity):
         want[f32_hex(v)] += mult
     assert fma_weights(ptx) == want
     assert len(re.findall(r"\bfma\.rn\.f32\b", ptx)) == nnz * mult
-    # No placeholder survives, anywhere.
+    # No placeholder survives, anywhere. A real weight may have a placeholder's
+    # exact value (placeholders lie in [1, 2); about 1 run in 350 at sparsity 0):
+    # its immediate is then a weight, checked by fma_weights above.
+    weight_bits = set(w[w != 0].view(np.uint32).tolist())
     for bits in rendered.placeholders:
-        assert f"0f{bits:08X}" not in ptx.upper().replace("0F", "0f")
+        if bits not in weight_bits:
+            assert f"0f{bits:08X}" not in ptx.upper().replace("0F", "0f")
     # One function per output-channel block, and the jump table names them all.
     assert len(re.findall(r"^\.func sc_kblock_\d+\(", ptx, re.M)) == stats.kblocks
     assert ptx.count("call.uni sc_kblock_") == stats.kblocks
