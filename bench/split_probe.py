@@ -28,7 +28,7 @@ from sparseconv.shapes import (Epilogue, Target, batch_variants, check_tiling, d
                                variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import resnet50, vgg16
+from sparseconv.zoo import pruned_model, resnet50, vgg16
 
 
 def parse_cand(shape, text: str, batch: int):
@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")
+    ap.add_argument("--weights", choices=["random", "zoo"], default="random",
+                    help="random: 90%% of normal weights zeroed at random; zoo: the weights bench --model times "
+                         "(zoo.pruned_model, He-initialised, magnitude-pruned to 90%%, seed 0)")
     ap.add_argument("--out", default="split_probe.json")
     ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
     ap.add_argument("--cold", action="store_true",
@@ -77,11 +80,13 @@ def main() -> None:
     if not set(chosen) <= set(epilogues):
         ap.error(f"--epilogue: each of {chosen} must be one of {sorted(epilogues)}")
     rng = np.random.default_rng(0)
+    used = {lname.split(":")[0] for lname in args.layers.split(",")}
+    zoo = {net: {name: w for name, _, w in pruned_model(net, 0.9)} for net in used} if args.weights == "zoo" else {}
     jobs, plan = [], []
     for lname in args.layers.split(","):
         net, name = lname.split(":")
         shape = nets[net][name]
-        w = pruned_weight(rng, shape.weight_shape, 0.9)
+        w = zoo[net][name] if zoo else pruned_weight(rng, shape.weight_shape, 0.9)
         for c in args.cands.split(","):
             try:
                 t = parse_cand(shape, c, args.batch)
