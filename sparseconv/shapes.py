@@ -492,9 +492,11 @@ MAX_POINTWISE_TAPS = 9
 # batch 64 (bench/split_probe.py --cold, session 13): against the direct
 # family, ResNet-50 layer1.1.conv2 (64 channels, 56x56) 152 -> 58 us, VGG-16
 # conv1_2 (64, 224x224) 1,810 -> 882, conv2_2 (128, 112x112) 1,757 -> 1,514,
-# conv3_2 (256, 56x56) 2,281 -> 1,756. 512 threads (128 registers) tied on
-# two and lost on conv2_2 (1,891); 32 channels lost on all four. Fewer
-# channels than this were not measured.
+# conv3_2 (256, 56x56) 2,281 -> 1,756, each with its ReLU fused; conv3_1
+# (128 -> 256) lost 1,000 -> 1,036. 512 threads (128 registers) tied on
+# three and lost on conv2_2 (1,891); 32 channels lost on all four. Fewer
+# channels than this were not measured. Open: without an epilogue conv1_2
+# took 2,020-2,070 us (docs/pending/README.md).
 LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
 # Outputs per image at or below which a deep conv's small-batch variant is
 # split on the pointwise family too; between this and SMALL_OUTPUT it is split
@@ -539,7 +541,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
     146 vs 103); there 32 output channels x 128 threads capped at 4 blocks per
     SM beat both cold (session 13: 133 -> 110 us), as for the widening 1x1
     layers (WIDENING_MIN_CHANNELS), while on every 256+-channel or strided
-    layer it lost by 1.4-1.5x. Larger outputs with
+    layer it lost by 1.2-1.5x. Larger outputs with
     LARGE_OUTPUT_POINTWISE_MIN_CHANNELS+ input channels: the pointwise family,
     64 x 256 threads (see there; 1.3-2.6x faster than the direct family).
     Other convs: the direct family (default_direct_tiling).
