@@ -19,35 +19,51 @@ from .shapes import pair
 IntPair = Tuple[int, int]
 
 _MAX_POOL_SOURCE = r"""
+// KERNEL_H and KERNEL_W are compiled in (pool_source): the window loops
+// unroll, so a thread issues all of its window's loads before the first
+// compare. With run-time bounds each load waited for the one before (one
+// memory latency per tap), which held the kernel at ~2x its floor.
 // grid: (pixel blocks, planes), each a grid-stride loop; blockIdx.y picks the
 // (n, c) plane, so no thread divides a 64-bit index.
 extern "C" __global__ void sc_max_pool2d(const float* __restrict__ x, float* __restrict__ y,
-        long long planes, int in_h, int in_w, int out_h, int out_w, int kernel_h, int kernel_w,
+        long long planes, int in_h, int in_w, int out_h, int out_w,
         int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w)
 {
+    const float neg_inf = -__int_as_float(0x7f800000);
     const int out_hw = out_h * out_w;
     for (long long plane = blockIdx.y; plane < planes; plane += gridDim.y) {
         const float* src = x + plane * in_h * in_w;
         float* dst = y + plane * out_hw;
         for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < out_hw; p += gridDim.x * blockDim.x) {
             const int h0 = (p / out_w) * stride_h - pad_h, w0 = (p % out_w) * stride_w - pad_w;
-            float m = -__int_as_float(0x7f800000);   // -inf, as torch starts
-            for (int r = 0; r < kernel_h; ++r) {
-                const int h = h0 + r * dil_h;
-                if (h < 0 || h >= in_h) continue;    // padding: never the max
-                for (int s = 0; s < kernel_w; ++s) {
-                    const int w = w0 + s * dil_w;
-                    if (w < 0 || w >= in_w) continue;
-                    const float v = __ldg(src + h * in_w + w);
-                    if (v > m || v != v) m = v;      // a NaN wins and stays, as in torch
+            float v[KERNEL_H][KERNEL_W];
+#pragma unroll
+            for (int r = 0; r < KERNEL_H; ++r)
+#pragma unroll
+                for (int s = 0; s < KERNEL_W; ++s) {
+                    const int h = h0 + r * dil_h, w = w0 + s * dil_w;
+                    // padding reads as -inf: it never wins a compare below
+                    v[r][s] = h >= 0 && h < in_h && w >= 0 && w < in_w ? __ldg(src + h * in_w + w) : neg_inf;
                 }
-            }
+            float m = neg_inf;                       // as torch starts
+#pragma unroll
+            for (int r = 0; r < KERNEL_H; ++r)
+#pragma unroll
+                for (int s = 0; s < KERNEL_W; ++s)
+                    if (v[r][s] > m || v[r][s] != v[r][s]) m = v[r][s];  // a NaN wins and stays, as in torch
             dst[p] = m;
         }
     }
 }
 """
-_kernels: Dict[int, Any] = {}
+
+
+def pool_source(kernel: IntPair) -> str:
+    """The max-pool kernel's CUDA source for one window size."""
+    return f"#define KERNEL_H {kernel[0]}\n#define KERNEL_W {kernel[1]}\n" + _MAX_POOL_SOURCE
+
+
+_kernels: Dict[Tuple[int, IntPair], Any] = {}  # (device, window) -> kernel
 
 
 @dataclass(frozen=True)
@@ -110,14 +126,15 @@ def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: Int
 
     n, c, in_h, in_w = x.shape
     out_h, out_w = y.shape[2:]
-    if device_id not in _kernels:
-        _kernels[device_id] = cupy.RawKernel(_MAX_POOL_SOURCE, "sc_max_pool2d")
+    key = (device_id, tuple(kernel))
+    if key not in _kernels:
+        _kernels[key] = cupy.RawKernel(pool_source(kernel), "sc_max_pool2d")
     if y.size == 0:
         return
     # Up to 256 threads per plane, fewer for small planes (VGG-16's pool5 has
     # 49 outputs: 256 threads left 80% idle and ran slower than torch's pool).
     threads = min(256, 32 * -(-(out_h * out_w) // 32))
-    _kernels[device_id]((min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,), (
+    _kernels[key]((min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,), (
         x, y, np.int64(n * c), np.int32(in_h), np.int32(in_w), np.int32(out_h), np.int32(out_w),
-        np.int32(kernel[0]), np.int32(kernel[1]), np.int32(stride[0]), np.int32(stride[1]),
+        np.int32(stride[0]), np.int32(stride[1]),
         np.int32(pad_top_left[0]), np.int32(pad_top_left[1]), np.int32(dilation[0]), np.int32(dilation[1])))

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from sparseconv.compile import compile_to_ptx
 from sparseconv.fx import IndexFreeMaxPool2d, swap_max_pools
-from sparseconv.pool import _MAX_POOL_SOURCE, MaxPoolShape
+from sparseconv.pool import MaxPoolShape, pool_source
 from sparseconv.shapes import Target
 
 from ptx_interpreter import run_kernel
@@ -22,9 +22,9 @@ POOLS = [MaxPoolShape.of(3, 2, 1),                       # ResNet's stem pool
          MaxPoolShape.of(3, 2, 1, ceil_mode=True)]       # a last window past the input
 
 
-@pytest.fixture(scope="module")
-def pool_ptx() -> str:
-    return compile_to_ptx(_MAX_POOL_SOURCE, Target(), "the max pool")
+def pool_ptx(kernel) -> str:
+    """The kernel for one window size (compiled in, as at run time)."""
+    return compile_to_ptx(pool_source(kernel), Target(), "the max pool")
 
 
 def torch_pool(x: np.ndarray, s: MaxPoolShape) -> np.ndarray:
@@ -33,7 +33,7 @@ def torch_pool(x: np.ndarray, s: MaxPoolShape) -> np.ndarray:
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("pool", POOLS, ids=str)
-def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool_ptx, pool):
+def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 7, 9)).astype(np.float32)
     x[0, 0, 2, 3], x[1, 2, 0, 0], x[0, 1, 4, 4] = np.nan, np.inf, -np.inf  # NaN propagates, as in torch
@@ -41,8 +41,8 @@ def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool_ptx, pool):
     oh, ow = pool.output_size(7, 9)
     y = np.full((2, 3, oh, ow), 12345.0, np.float32)
     # fewer blocks than planes and fewer threads than pixels: both grid-stride loops run
-    run_kernel(pool_ptx, "sc_max_pool2d", grid=(2, 4, 1), block=(4, 1, 1),
-               args=[x, y, 6, 7, 9, oh, ow, *pool.kernel, *pool.stride, *pool.padding, *pool.dilation])
+    run_kernel(pool_ptx(pool.kernel), "sc_max_pool2d", grid=(2, 4, 1), block=(4, 1, 1),
+               args=[x, y, 6, 7, 9, oh, ow, *pool.stride, *pool.padding, *pool.dilation])
     want = torch_pool(x, pool)
     assert y.shape == want.shape
     assert np.array_equal(y, want, equal_nan=True)
@@ -105,7 +105,7 @@ def test_the_front_end_swaps_every_max_pool_without_indices(traced):
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("pads,ceil", [((1, 0, 0, 1), 0), ((0, 0, 0, 0), 1), ((1, 1, 1, 1), 1)])
-def test_the_kernel_gives_the_onnx_runners_maxima_with_uneven_pads(pool_ptx, pads, ceil):
+def test_the_kernel_gives_the_onnx_runners_maxima_with_uneven_pads(pads, ceil):
     """sparseconv run pools with this kernel on the GPU (runner._pool): top and
     left pads go to the kernel, bottom, right and ceil_mode only size the output."""
     from sparseconv.runner import _pool
@@ -116,6 +116,6 @@ def test_the_kernel_gives_the_onnx_runners_maxima_with_uneven_pads(pool_ptx, pad
     attrs = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": pads, "ceil_mode": ceil}
     want = _pool(np, x, attrs, "max")  # the NumPy path: a padded copy, then maxima of shifted views
     y = np.full(want.shape, 12345.0, np.float32)
-    run_kernel(pool_ptx, "sc_max_pool2d", grid=(1, 6, 1), block=(32, 1, 1),
-               args=[x, y, 6, 8, 7, *want.shape[2:], 3, 3, 2, 2, pads[0], pads[1], 1, 1])
+    run_kernel(pool_ptx((3, 3)), "sc_max_pool2d", grid=(1, 6, 1), block=(32, 1, 1),
+               args=[x, y, 6, 8, 7, *want.shape[2:], 2, 2, pads[0], pads[1], 1, 1])
     assert np.array_equal(y, want, equal_nan=True)
