@@ -24,7 +24,7 @@ import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import (Epilogue, Target, batch_variants, check_tiling, default_direct_tiling, pointwise_tiling,
+from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, pointwise_tiling,
                                variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
@@ -40,7 +40,7 @@ def parse_cand(shape, text: str, batch: int):
     if text == "default":
         t = variant_for_batch(shape, batch)
     elif text == "direct":
-        t = next(t for up_to, t in batch_variants(shape, default_direct_tiling(shape)) if batch <= up_to)
+        t = variant_for_batch(shape, batch, default_direct_tiling(shape))
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)

@@ -106,7 +106,7 @@ def _pool(xp: Any, x: Any, attrs: Dict[str, Any], reduce: str) -> Any:
     # Extra bottom/right padding for ceil_mode; it never counts as data.
     eh = max(0, (ho - 1) * sh + kh - (h + top + bottom))
     ew = max(0, (wo - 1) * sw + kw - (w + left + right))
-    if reduce == "max" and getattr(xp, "__name__", "") == "cupy" and x.dtype == np.float32:
+    if reduce == "max" and xp is not np and x.dtype == np.float32:
         # One kernel pass, no padded copy (sparseconv.pool); the same maxima.
         y = xp.empty((n, c, ho, wo), dtype=x.dtype)
         launch_max_pool(xp.cuda.Device().id, xp.ascontiguousarray(x), y, (kh, kw), (sh, sw), (top, left), (1, 1))

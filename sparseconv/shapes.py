@@ -699,10 +699,11 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
 
 
-def variant_for_batch(shape: ConvShape, batch: int) -> Tiling:
-    """The tiling a default build runs `batch` images with (batch_variants of
-    default_tiling)."""
-    return next(t for up_to, t in batch_variants(shape, default_tiling(shape)) if batch <= up_to)
+def variant_for_batch(shape: ConvShape, batch: int, tiling: Optional[Tiling] = None) -> Tiling:
+    """The tiling a build runs `batch` images with: batch_variants of
+    `tiling`, default_tiling where none is given."""
+    whole = default_tiling(shape) if tiling is None else tiling
+    return next(t for up_to, t in batch_variants(shape, whole) if batch <= up_to)
 
 
 # (k_block, outputs per thread along W, threads, min_blocks), best first: the

@@ -236,6 +236,11 @@ def test_variant_for_batch_picks_the_split_variant_only_for_small_batches():
     (up_to, split), (_, full) = batch_variants(deep, default_tiling(deep))
     assert variant_for_batch(deep, 1) == split and variant_for_batch(deep, up_to) == split
     assert variant_for_batch(deep, up_to + 1) == full == default_tiling(deep)
+    # of a given tiling: a 64-channel 56x56 3x3 on the direct family splits at batch 1
+    mixed = ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1))
+    direct = default_direct_tiling(mixed)
+    assert variant_for_batch(mixed, 1, direct) == batch_variants(mixed, direct)[0][1]
+    assert variant_for_batch(mixed, 1, direct).slices > 1 and variant_for_batch(mixed, 64, direct) == direct
 
 
 def test_pointwise_layers_of_at_most_64_channels_take_ptxas_O1():
