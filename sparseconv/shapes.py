@@ -428,7 +428,14 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
 # ptxas -O1, which keeps each chunk's loads ahead of its FMAs (see
 # split_tiling). H100, bench/split_probe.py --cold, session 11: ResNet-50
 # layer1.1.conv1 (K = 64) 12.3 -> 4.5 us at batch 1, 131.5 -> 92.0 at batch
-# 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower.
+# 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower. The same holds
+# for the 3x3 layers above 28x28 (default_tiling), where -O3's choice depends
+# on the weights: the sm_90 build of VGG-16 conv1_2 at -O3 had its loads a
+# median 222 instructions ahead of their use (128 registers) for one weight
+# draw and 20-23 (110 registers) for two others and the zoo's, which ran
+# 882 and 2,020-2,070 us at batch 64; -O1 kept them 138-147 ahead for all
+# four, 932 us with the zoo's (session 14). ResNet-50 layer1.x.conv2 at -O1:
+# 57 -> 61 us, a small price for not depending on the draw.
 POINTWISE_O1_MAX_CHANNELS = 64
 
 
@@ -495,8 +502,8 @@ MAX_POINTWISE_TAPS = 9
 # conv3_2 (256, 56x56) 2,281 -> 1,756, each with its ReLU fused; conv3_1
 # (128 -> 256) lost 1,000 -> 1,036. 512 threads (128 registers) tied on
 # three and lost on conv2_2 (1,891); 32 channels lost on all four. Fewer
-# channels than this were not measured. Open: without an epilogue conv1_2
-# took 2,020-2,070 us (docs/pending/README.md).
+# channels than this were not measured. (conv1_2 at -O3 took 882 or 2,050 us
+# by its weights: see POINTWISE_O1_MAX_CHANNELS.)
 LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
 # Outputs per image at or below which a deep conv's small-batch variant is
 # split on the pointwise family too; between this and SMALL_OUTPUT it is split
@@ -565,7 +572,11 @@ def default_tiling(shape: ConvShape) -> Tiling:
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
         if pixels > SMALL_OUTPUT:
             if shape.c_per_group >= LARGE_OUTPUT_POINTWISE_MIN_CHANNELS:
-                return pointwise_tiling(shape, 64, 1, 256)
+                t = pointwise_tiling(shape, 64, 1, 256)
+                # One k-block of <= 64 channels: at -O3 ptxas may keep it at
+                # ~110 registers by moving each load next to its first FMA
+                # (POINTWISE_O1_MAX_CHANNELS; VGG-16 conv1_2 2,052 -> 932 us).
+                return replace(t, ptxas_level=1) if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else t
             return default_direct_tiling(shape)
         if pixels < MANY_THREADS_MIN_OUTPUT:  # 7x7: 512 threads, half the channels a block to fill a wave
             return pointwise_tiling(shape, 32, 1, 512)

@@ -250,6 +250,11 @@ def test_pointwise_layers_of_at_most_64_channels_take_ptxas_O1():
     assert default_tiling(ConvShape(64, 64, 56, 56, 1, 1)).ptxas_level == 1
     assert default_tiling(ConvShape(256, 128, 56, 56, 1, 1)).ptxas_level == 3
     assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).ptxas_level == 3
+    # and so do the 3x3 layers above 28x28 with K <= 64, whose -O3 schedule
+    # depends on the weights (VGG-16 conv1_2: 882 or 2,050 us at batch 64)
+    assert default_tiling(ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1))).ptxas_level == 1
+    assert default_tiling(ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1))).ptxas_level == 1
+    assert default_tiling(ConvShape(128, 128, 112, 112, 3, 3, (1, 1), (1, 1))).ptxas_level == 3
 
 
 def test_tuning_candidates_of_a_deep_3x3_include_512_pointwise_threads():
