@@ -11,13 +11,28 @@ With --cold each call is also timed with L2 overwritten and x read back
 first, as a layer meets it inside a network (timing.time_cold).
 --epilogue times each candidate with each fused epilogue given (none, relu,
 add+relu: the residual add of a ResNet block's last conv, then ReLU).
+With --sass nothing runs (no GPU needed): each candidate is built for sm_90
+and its registers, stack and load depth (how many instructions ahead of
+their first use its loads are issued) are read from the cubin with cuobjdump.
+
+Random weights are drawn from --seed and the layer's name, so a layer gets
+the same weights whichever layers come before it in --layers (until session
+14 they were drawn in --layers order, and two calls timed one layer with
+different weights: docs/DESIGN.md, "ptxas -O3's load schedule").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import zlib
 from dataclasses import replace
 
 import numpy as np
@@ -55,8 +70,59 @@ def parse_cand(shape, text: str, batch: int):
     return t
 
 
+def layer_weight(seed: int, lname: str, shape) -> np.ndarray:
+    """90% of normal weights zeroed at random, drawn from (seed, layer name)."""
+    return pruned_weight(np.random.default_rng([seed, zlib.crc32(lname.encode())]), shape.weight_shape, 0.9)
+
+
+# SASS opcodes whose first operand is read, not written
+_NO_DEST = ("ST", "RED", "ATOM", "BRA", "EXIT", "BAR", "CALL", "RET", "BSYNC", "BSSY", "WARPSYNC", "NOP")
+
+
+def load_depths(sass: str) -> list:
+    """For each global load in `sass` (cuobjdump -sass text), how many
+    instructions later its destination register is first read (straight-line
+    order; a load whose register is overwritten or never read is left out)."""
+    pending, depths, i = {}, [], 0
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", line)
+        if not m:
+            continue
+        op, operands = m.group(1), m.group(2).split(",")
+        has_dest = not op.startswith(_NO_DEST) and len(operands) > 1
+        reads = operands[1:] if has_dest else operands
+        for reg in {r for text in reads for r in re.findall(r"\bR(\d+)\b", text)}:
+            if reg in pending:
+                depths.append(i - pending.pop(reg))
+        if has_dest:
+            dest = re.match(r"\s*R(\d+)\b", operands[0])
+            if dest:
+                pending.pop(dest.group(1), None)
+                if op.startswith("LDG"):
+                    pending[dest.group(1)] = i
+        i += 1
+    return depths
+
+
+def cubin_stats(cubin: bytes) -> dict:
+    """Registers, stack bytes and the median load depth of a cubin (cuobjdump)."""
+    tool = os.environ.get("SPARSECONV_CUOBJDUMP") or shutil.which("cuobjdump")
+    if not tool:
+        sys.exit("--sass needs cuobjdump: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`, "
+                 "or point SPARSECONV_CUOBJDUMP at it")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "layer.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    depths = load_depths(sass)
+    return dict(registers=max(int(r) for r in re.findall(r"REG:(\d+)", res)),
+                stack_bytes=max(int(r) for r in re.findall(r"STACK:(\d+)", res)),
+                loads=len(depths), median_load_depth=statistics.median(depths) if depths else None)
+
+
 def main() -> None:
-    import cupy
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
@@ -67,8 +133,12 @@ def main() -> None:
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")
     ap.add_argument("--weights", choices=["random", "zoo"], default="random",
-                    help="random: 90%% of normal weights zeroed at random; zoo: the weights bench --model times "
-                         "(zoo.pruned_model, He-initialised, magnitude-pruned to 90%%, seed 0)")
+                    help="random: 90%% of normal weights zeroed at random, drawn from --seed and the layer's name; "
+                         "zoo: the weights bench --model times (zoo.pruned_model, He-initialised, "
+                         "magnitude-pruned to 90%%, seed 0)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--sass", action="store_true",
+                    help="no GPU: print each build's registers, stack and median load depth (cuobjdump)")
     ap.add_argument("--out", default="split_probe.json")
     ap.add_argument("--no-time", action="store_true", help="run each kernel 3 times, no timing (for ncu)")
     ap.add_argument("--cold", action="store_true",
@@ -86,7 +156,7 @@ def main() -> None:
     for lname in args.layers.split(","):
         net, name = lname.split(":")
         shape = nets[net][name]
-        w = zoo[net][name] if zoo else pruned_weight(rng, shape.weight_shape, 0.9)
+        w = zoo[net][name] if zoo else layer_weight(args.seed, lname, shape)
         for c in args.cands.split(","):
             try:
                 t = parse_cand(shape, c, args.batch)
@@ -103,6 +173,19 @@ def main() -> None:
     built = build_many(jobs, target=Target("sm_90"), progress=True)
     print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = []
+    if args.sass:
+        for lname, c, shape, key in plan:
+            layer = built[key]
+            if layer.artifact_suffix != ".cubin":
+                sys.exit("--sass needs ptxas on PATH (the build made PTX, not a cubin)")
+            rows.append(dict(layer=lname, cand=c, tiling=layer.tiling.describe(), **cubin_stats(layer.artifact)))
+            r = rows[-1]
+            print(f"{lname:26s} {c:16s} {layer.tiling.describe():64s} registers {r['registers']:3d} "
+                  f"stack {r['stack_bytes']:3d} B  loads ahead of use: median {r['median_load_depth']} "
+                  f"instructions", flush=True)
+        json.dump(rows, open(args.out, "w"), indent=1)
+        return
+    import cupy
     n = args.batch
     flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
     for lname, c, shape, key in plan:

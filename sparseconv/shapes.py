@@ -431,11 +431,12 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
 # 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower. The same holds
 # for the 3x3 layers above 28x28 (default_tiling), where -O3's choice depends
 # on the weights: the sm_90 build of VGG-16 conv1_2 at -O3 had its loads a
-# median 222 instructions ahead of their use (128 registers) for one weight
-# draw and 20-23 (110 registers) for two others and the zoo's, which ran
-# 882 and 2,020-2,070 us at batch 64; -O1 kept them 138-147 ahead for all
-# four, 932 us with the zoo's (session 14). ResNet-50 layer1.x.conv2 at -O1:
-# 57 -> 61 us, a small price for not depending on the draw.
+# median ~220 instructions ahead of their use (128 registers) for some weight
+# draws and 22-23 (109-111 registers) for others (4 of 7 tried, the zoo's
+# among them; `bench/split_probe.py --sass`), which ran 882 and 2,020-2,070
+# us at batch 64; -O1 kept them 137-147 ahead for every draw, 932 us with
+# the zoo's (session 14). ResNet-50 layer1.x.conv2 (short for 1 of 7) at
+# -O1: 57 -> 61 us, a small price for not depending on the draw.
 POINTWISE_O1_MAX_CHANNELS = 64
 
 

@@ -1,0 +1,37 @@
+"""bench/split_probe.py's CPU side: order-independent weight draws and the
+SASS load-depth reading that --sass reports."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from sparseconv.zoo import vgg16
+
+spec = importlib.util.spec_from_file_location("split_probe", Path(__file__).parent.parent / "bench" / "split_probe.py")
+split_probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(split_probe)
+
+SASS = """
+        /*0000*/                   LDG.E.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0010*/                   LDG.E.CONSTANT R5, desc[UR4][R2.64+0x100] ;
+        /*0020*/                   LDG.E R6, desc[UR4][R8.64] ;
+        /*0030*/                   FFMA R10, R4, 1.5, R10 ;
+        /*0040*/                   MOV R6, RZ ;
+        /*0050*/                   FFMA R11, R4.reuse, -2, R11 ;
+        /*0060*/               @P0 FFMA R12, R5, 0.25, R12 ;
+        /*0070*/                   STG.E desc[UR4][R2.64], R10 ;
+"""
+
+
+def test_load_depths_count_instructions_to_the_first_read():
+    # R4 (instruction 0) first read at 3; R5 (1) at 6, a predicated read;
+    # R6 is overwritten before any read, so it has no depth
+    assert split_probe.load_depths(SASS) == [3, 5]
+
+
+def test_a_layers_random_weights_do_not_depend_on_the_other_layers_named():
+    shapes = dict(vgg16())
+    w = split_probe.layer_weight(0, "vgg16:conv1_2", shapes["conv1_2"])
+    assert np.array_equal(w, split_probe.layer_weight(0, "vgg16:conv1_2", shapes["conv1_2"]))
+    assert not np.array_equal(w, split_probe.layer_weight(1, "vgg16:conv1_2", shapes["conv1_2"]))
+    assert 0.85 < (w == 0).mean() < 0.95 and w.dtype == np.float32
