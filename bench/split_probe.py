@@ -123,7 +123,6 @@ def cubin_stats(cubin: bytes) -> dict:
 
 
 def main() -> None:
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
