@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from sparseconv.compile import ToolNotFoundError, find_tool
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
 from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, pointwise_tiling,
@@ -106,10 +106,10 @@ def load_depths(sass: str) -> list:
 
 def cubin_stats(cubin: bytes) -> dict:
     """Registers, stack bytes and the median load depth of a cubin (cuobjdump)."""
-    tool = os.environ.get("SPARSECONV_CUOBJDUMP") or shutil.which("cuobjdump")
-    if not tool:
-        sys.exit("--sass needs cuobjdump: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`, "
-                 "or point SPARSECONV_CUOBJDUMP at it")
+    try:
+        tool = str(find_tool("cuobjdump"))  # $SPARSECONV_CUOBJDUMP, PATH or $CUDA_HOME/bin, as nvcc and ptxas
+    except ToolNotFoundError as exc:
+        sys.exit(f"--sass: {exc} (pip: nvidia-cuda-cuobjdump)")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "layer.cubin")
         with open(path, "wb") as f:

@@ -440,6 +440,12 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
 POINTWISE_O1_MAX_CHANNELS = 64
 
 
+def narrow_pointwise_level(shape: ConvShape) -> int:
+    """ptxas level of a default pointwise tiling: -O1 up to
+    POINTWISE_O1_MAX_CHANNELS output channels per group, else -O3."""
+    return 1 if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else 3
+
+
 # Input channels from which a strided 1x1 takes 256 threads x 64 output
 # channels capped at 2 blocks per SM (128 registers), rather than 512 threads;
 # and input channels from which an unstrided 1x1 that widens (K > C) takes
@@ -476,8 +482,7 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     (ResNet-50 layer4.1.conv1, 2048 -> 512: 122 -> 84 us cold), as for the
     deep 3x3 layers at 7x7 (default_tiling)."""
     if shape.k_per_group <= 128:
-        level = 1 if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else 3
-        return replace(pointwise_tiling(shape, 128, 1, 128), ptxas_level=level)
+        return replace(pointwise_tiling(shape, 128, 1, 128), ptxas_level=narrow_pointwise_level(shape))
     c = shape.c_per_group
     pixels = shape.out_h * shape.out_w
     if shape.stride != (1, 1):
@@ -573,11 +578,10 @@ def default_tiling(shape: ConvShape) -> Tiling:
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
         if pixels > SMALL_OUTPUT:
             if shape.c_per_group >= LARGE_OUTPUT_POINTWISE_MIN_CHANNELS:
-                t = pointwise_tiling(shape, 64, 1, 256)
                 # One k-block of <= 64 channels: at -O3 ptxas may keep it at
                 # ~110 registers by moving each load next to its first FMA
                 # (POINTWISE_O1_MAX_CHANNELS; VGG-16 conv1_2 2,052 -> 932 us).
-                return replace(t, ptxas_level=1) if shape.k_per_group <= POINTWISE_O1_MAX_CHANNELS else t
+                return replace(pointwise_tiling(shape, 64, 1, 256), ptxas_level=narrow_pointwise_level(shape))
             return default_direct_tiling(shape)
         if pixels < MANY_THREADS_MIN_OUTPUT:  # 7x7: 512 threads, half the channels a block to fill a wave
             return pointwise_tiling(shape, 32, 1, 512)
