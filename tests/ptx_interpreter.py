@@ -20,30 +20,40 @@ Execution model
     call runs the callee to completion for the calling lanes, with a fresh
     register file per activation. `.uni` branches that diverge inside a warp
     of 32 threads are errors.
+    Thread-block clusters (an entry with .reqnctapercluster): the blocks of
+    one cluster run together, each in its own Python thread, and meet at
+    `barrier.cluster.wait` (a block-wide barrier first, then the cluster's);
+    `barrier.cluster.arrive` is taken as part of the wait that follows it.
+    `mapa.shared::cluster.u32` maps a shared address to cluster rank r's copy
+    (a fake window: address + (r + 1) << 20), which ld.shared::cluster reads.
+    A block that ends while another waits at a cluster barrier is a deadlock.
 
 Supported subset (anything else raises PtxInterpreterError naming the
 instruction and its line)
     structure   .version/.target/.address_size/.file/.loc/.pragma/.section
                 (ignored);
                 .entry and .func (with return params) definitions, prototypes;
-                .maxntid/.reqntid (checked against the launch); .reg (incl.
+                .maxntid/.reqntid (checked against the launch);
+                .explicitcluster/.reqnctapercluster (the launch's cluster); .reg (incl.
                 %r<N> ranges), .param, .shared (module level, function level,
                 .extern dynamic), module-level .global arrays without an
                 initializer (zero at launch, as at module load), nested { }
                 scopes, labels, .branchtargets;
                 // and /* */ comments; statements spanning lines.
-    operands    registers, %tid/%ntid/%ctaid/%nctaid.{x,y,z}, %laneid, %warpid;
+    operands    registers, %tid/%ntid/%ctaid/%nctaid.{x,y,z}, %laneid, %warpid,
+                %cluster_ctarank, %cluster_nctarank;
                 integer immediates (dec/hex/octal/binary, negative), 0fXXXXXXXX
                 and 0dXXXXXXXXXXXXXXXX float immediates, decimal floats;
                 shared and global symbols as values; [reg], [reg+imm],
                 [reg+-imm], [reg-imm], [sym], [sym+imm], [imm]; vectors {a, b, ...} and _.
     memory      ld/st .param .global (.nc and cache hints ignored) .shared and
-                generic, scalar and .v2/.v4, 8-64 bit and f32/f64, dest/source
+                generic, ld.shared::cluster (with mapa.shared::cluster.u32), scalar and .v2/.v4, 8-64 bit and f32/f64, dest/source
                 registers wider than the type (ld/st/cvt extension rules);
                 cvta(.to).{global,shared}.{u32,u64}.
     integer     add sub mul.{lo,hi,wide} mad.{lo,hi,wide} div rem neg abs min
                 max and or xor not shl shr (arithmetic for .s types), 16/32/64
-                bit, wrapping; add/sub .sat.s32; mul.hi.{s,u}64 exactly.
+                bit, wrapping; add/sub .sat.s32; mul.hi.{s,u}64 exactly;
+                bfi.b32/.b64.
     float       add sub mul fma.rn mad.rn neg abs min max div.rn rcp.rn sqrt.rn
                 for .f32 (+ .ftz, .sat), add sub mul neg abs min max div.rn
                 sqrt.rn for .f64; explicit .rn rounding only.
@@ -56,6 +66,8 @@ instruction and its line)
     control     @p / @!p guards on any instruction; bra(.uni); brx.idx(.uni);
                 call(.uni) with params and return params; ret; exit;
                 bar.sync / barrier(.cta).sync(.aligned) with a constant id;
+                barrier.cluster.arrive(.release|.relaxed)(.aligned) and
+                barrier.cluster.wait(.acquire)(.aligned);
                 membar/fence (no-ops: the interpreter is sequential);
                 cp.async.{ca,cg}.shared.global with src-size zero fill,
                 cp.async.commit_group, wait_group N, wait_all (a copy lands
@@ -90,8 +102,10 @@ LAST_RUN_STATS holds the instruction counts of the last launch.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import re
+import threading
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -339,6 +353,7 @@ class _Func:
         self.targets: Dict[str, List[str]] = {}
         self.maxntid: Optional[int] = None
         self.reqntid: Optional[Tuple[int, ...]] = None
+        self.cluster: Optional[Tuple[int, int, int]] = None  # .reqnctapercluster
 
     def reg_type(self, name: str) -> Optional[str]:
         """Declared type of a register name (None: not a register)."""
@@ -446,12 +461,14 @@ class _Module:
         params = _parse_param_list(m.group("params") or "", line)
         rets = _parse_param_list(m.group("ret") or "", line)
         func = _Func(m.group("name"), m.group("kind") == "entry", params, rets, m.group("post"), line)
-        for d in re.finditer(r"\.(maxntid|reqntid)\s+([\d,\s]+)", m.group("post")):
+        for d in re.finditer(r"\.(maxntid|reqntid|reqnctapercluster)\s+([\d,\s]+)", m.group("post")):
             dims = tuple(int(v) for v in d.group(2).replace(",", " ").split())
             if d.group(1) == "maxntid":
                 func.maxntid = int(np.prod(dims))
-            else:
+            elif d.group(1) == "reqntid":
                 func.reqntid = dims
+            else:
+                func.cluster = tuple(dims + (1,) * (3 - len(dims)))  # type: ignore[assignment]
         return func
 
     def _layout_shared(self) -> None:
@@ -515,10 +532,11 @@ PLAIN, BRA, BRX, CALL, RET, EXIT, BAR = range(7)
 
 class _Ins:
     __slots__ = ("kind", "fn", "guard", "line", "text", "target", "targets", "index",
-                 "callee", "args", "rets", "uni", "stores_param")
+                 "callee", "args", "rets", "uni", "stores_param", "cluster_wait")
 
     def __init__(self, kind: int, line: int, text: str):
         self.kind, self.line, self.text = kind, line, text
+        self.cluster_wait = False
         self.fn = self.guard = self.index = self.callee = self.stores_param = None
         self.target = 0
         self.targets: List[int] = []
@@ -529,7 +547,11 @@ class _Ins:
 
 Getter = Callable[["_Frame", Optional[np.ndarray]], object]
 
-_SPECIALS = {f"%{n}.{d}" for n in ("tid", "ntid", "ctaid", "nctaid") for d in "xyz"} | {"%laneid", "%warpid", "%nwarpid"}
+_SPECIALS = {f"%{n}.{d}" for n in ("tid", "ntid", "ctaid", "nctaid") for d in "xyz"} | {
+    "%laneid", "%warpid", "%nwarpid", "%cluster_ctarank", "%cluster_nctarank"}
+# mapa.shared::cluster.u32 gives rank r's copy of a shared address at
+# address + (r + 1) * _CLUSTER_WINDOW (shared offsets stay below it).
+_CLUSTER_WINDOW = 1 << 20
 _CACHE_QUALIFIERS = {"nc", "ca", "cg", "cs", "lu", "cv", "wb", "wt", "volatile", "weak", "relaxed",
                      "acquire", "release", "cta", "gpu", "sys", "uni"}
 _SPACES = {"param", "global", "shared", "local", "const"}
@@ -638,7 +660,8 @@ class _Decoder:
         f = self.f
         words = text.replace(",", " ").split()
         head = words[0]
-        if head in (".pragma", ".loc", ".file", ".maxnreg", ".maxntid", ".reqntid", ".minnctapersm"):
+        if head in (".pragma", ".loc", ".file", ".maxnreg", ".maxntid", ".reqntid", ".minnctapersm",
+                    ".explicitcluster", ".reqnctapercluster", ".maxclusterrank"):
             return
         if head == ".reg":
             types = [w[1:] for w in words[1:] if w.startswith(".")]
@@ -1003,6 +1026,31 @@ class _Decoder:
             _write(fr, d, r, m)
         return run
 
+    def op_bfi(self, ins, parts, ops):
+        """bfi.bN d, a, b, pos, len: b with bits pos..pos+len-1 replaced by
+        a's low len bits (pos and len are their low 8 bits; bits past N drop)."""
+        t = self._type(parts)
+        if t not in ("b32", "b64"):
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        self._need(ops, 5, parts)
+        bits = _size(t) * 8
+        d, _ = self.dst(ops[0], t)
+        a, b = self.src(ops[1], t), self.src(ops[2], t)
+        pos, length = self.src(ops[3], "u32"), self.src(ops[4], "u32")
+        dt = _NP[t]
+
+        def run(fr, m):
+            p = np.minimum(np.asarray(pos(fr, m)).astype(np.uint64) & np.uint64(0xFF), np.uint64(bits))
+            n = np.minimum(np.asarray(length(fr, m)).astype(np.uint64) & np.uint64(0xFF), np.uint64(bits))
+            ones = np.where(n >= 64, np.uint64(2**64 - 1), (np.uint64(1) << np.minimum(n, np.uint64(63))) - np.uint64(1))
+            mask = np.where(p >= 64, np.uint64(0), ones << np.minimum(p, np.uint64(63)))
+            av = np.asarray(a(fr, m)).view(_UNSIGNED[dt.itemsize]).astype(np.uint64)
+            bv = np.asarray(b(fr, m)).view(_UNSIGNED[dt.itemsize]).astype(np.uint64)
+            shifted = np.where(p >= 64, np.uint64(0), av << np.minimum(p, np.uint64(63)))
+            out = (bv & ~mask) | (shifted & mask)
+            _write(fr, d, out.astype(_UNSIGNED[dt.itemsize]).view(dt), m)
+        return run
+
     def op_shl(self, ins, parts, ops):
         return self._shift(ins, parts, ops, left=True)
 
@@ -1098,7 +1146,9 @@ class _Decoder:
         space, vec = None, 1
         for p in parts[1:-1]:
             base = p.split("::")[0]
-            if base in _SPACES:
+            if p == "shared::cluster":
+                space = "cluster"
+            elif base in _SPACES:
                 space = base
             elif re.match(r"^v[248]$", p):
                 vec = int(p[1:])
@@ -1159,6 +1209,8 @@ class _Decoder:
     def op_st(self, ins, parts, ops):
         space, vec, t = self._mem_parts(parts)
         self._need(ops, 2, parts)
+        if space == "cluster":
+            raise PtxInterpreterError("st.shared::cluster is not supported")
         dt = _NP[t]
         if space == "param":
             if vec != 1:
@@ -1262,7 +1314,26 @@ class _Decoder:
             raise PtxInterpreterError("only bar.sync with a constant barrier id (and no thread count)")
         ins.kind = BAR
 
-    op_barrier = op_bar
+    def op_barrier(self, ins, parts, ops):
+        if parts[1:2] != ["cluster"]:
+            return self.op_bar(ins, parts, ops)
+        rest = [p for p in parts[2:] if p != "aligned"]
+        if ops or rest not in (["arrive"], ["arrive", "release"], ["arrive", "relaxed"], ["wait"],
+                               ["wait", "acquire"]):
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        if rest[0] == "arrive":
+            return lambda fr, m: None  # taken as part of the wait that follows
+        ins.kind, ins.cluster_wait = BAR, True
+
+    def op_mapa(self, ins, parts, ops):
+        if parts[1:] != ["shared::cluster", "u32"]:
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)} (only mapa.shared::cluster.u32)")
+
+        def fn(a, rank):
+            if (a >= _CLUSTER_WINDOW).any():
+                raise PtxInterpreterError("mapa of an address that is not a shared::cta address")
+            return a + (rank + np.uint32(1)) * np.uint32(_CLUSTER_WINDOW)
+        return self._simple(ins, parts, ops, 2, fn)
 
     def op_cp(self, ins, parts, ops):
         """cp.async (4/8/16 bytes, global -> shared, zero-fill via src-size),
@@ -1604,6 +1675,8 @@ class _Launch:
         self.epoch = 0
         self.steps = 0
         self.thread_steps = 0
+        self.peers: List["_Launch"] = []  # the blocks of this block's cluster, by rank
+        self.cluster_barrier: Optional[_ClusterBarrier] = None
 
     def _kernel_params(self, args) -> Dict[str, object]:
         params = self.entry.params
@@ -1638,6 +1711,8 @@ class _Launch:
         """Split lane addresses into (buffer, selected lanes or None, offsets)."""
         if space == "shared":
             return [self._check(self.shared, None, a, nbytes)]
+        if space == "cluster":
+            return self._resolve_cluster(a, nbytes)
         hi = a >> _GLOBAL_SPACING_BITS
         h0 = hi[0]
         if (hi == h0).all():
@@ -1654,6 +1729,22 @@ class _Launch:
                 what = "global" if space == "global" else "generic"
                 raise PtxInterpreterError(f"{what} address {bad:#x} is not inside any argument array")
             out.append(self._check(buf, sel, a if sel is None else a[sel], nbytes))
+        return out
+
+    def _resolve_cluster(self, a: np.ndarray, nbytes: int):
+        """shared::cluster addresses: own shared memory below _CLUSTER_WINDOW,
+        else cluster rank (a // _CLUSTER_WINDOW - 1)'s (mapa)."""
+        window = a // _CLUSTER_WINDOW
+        out = []
+        for w in np.unique(window):
+            sel = None if window.size == 1 or (window == w).all() else np.flatnonzero(window == w)
+            rank = int(w) - 1
+            if rank >= len(self.peers):
+                raise PtxInterpreterError(f"shared::cluster address {int(a[0] if sel is None else a[sel][0]):#x} "
+                                          f"names cluster rank {rank}, but the cluster has {len(self.peers)} blocks")
+            buf = self.shared if rank < 0 else self.peers[rank].shared
+            lanes = a if sel is None else a[sel]
+            out.append(self._check(buf, sel, lanes - (w * _CLUSTER_WINDOW), nbytes))
         return out
 
     @staticmethod
@@ -1796,25 +1887,91 @@ class _Launch:
     # -- execution ------------------------------------------------------------------
     def run(self) -> None:
         gx, gy, gz = self.grid
-        T = self.T
-        all_lanes = np.ones(T, bool)
-        for bz in range(gz):
-            for by in range(gy):
-                for bx in range(gx):
-                    for d, v in zip("xyz", (bx, by, bz)):
-                        self.special["%ctaid." + d] = np.full(T, v, np.uint32)
-                    self.shared_u8.fill(0xFF)  # uninitialised shared memory reads as NaN
-                    self.async_reset()
-                    for a in (self.sh_w_epoch, self.sh_r_epoch):
-                        a.fill(-1)
-                    self.exited = np.zeros(T, bool)
-                    self.any_exited = False
-                    fr = _Frame(self.entry, self, all_lanes)
-                    fr.params = dict(self.params)
-                    try:
-                        self._activate(fr)
-                    except PtxInterpreterError as e:
-                        raise PtxInterpreterError(f"block ({bx}, {by}, {bz}): {e}") from None
+        cx, cy, cz = self.entry.cluster or (1, 1, 1)
+        if gx % cx or gy % cy or gz % cz:
+            raise PtxInterpreterError(f"grid {self.grid} is not a whole number of clusters {(cx, cy, cz)}")
+        for bz in range(0, gz, cz):
+            for by in range(0, gy, cy):
+                for bx in range(0, gx, cx):
+                    blocks = [self._block(bx + x, by + y, bz + z, x + cx * (y + cy * z), cx * cy * cz)
+                              for z in range(cz) for y in range(cy) for x in range(cx)]
+                    if len(blocks) == 1:
+                        self._run_block(blocks[0])
+                    else:
+                        self._run_cluster(blocks)
+                    for b in blocks:
+                        self.steps += b.steps
+                        self.thread_steps += b.thread_steps
+
+    def _block(self, bx: int, by: int, bz: int, rank: int, cluster_size: int) -> "_Launch":
+        """This launch's state for one block: shared memory, barriers and the
+        block's special registers of its own; global memory shared."""
+        b = copy.copy(self)
+        b.special = dict(self.special)
+        for d, v in zip("xyz", (bx, by, bz)):
+            b.special["%ctaid." + d] = np.full(self.T, v, np.uint32)
+        b.special["%cluster_ctarank"] = np.full(self.T, rank, np.uint32)
+        b.special["%cluster_nctarank"] = np.full(self.T, cluster_size, np.uint32)
+        b.shared_u8 = np.full(self.shared_u8.size, 0xFF, np.uint8)  # uninitialised shared memory reads as NaN
+        size = self.shared.nbytes
+        b.shared = _Buffer("shared memory", 0, b.shared_u8, size)
+        b.shared_generic = _Buffer("shared memory", _SHARED_GENERIC_BASE, b.shared_u8, size)
+        b.sh_w_epoch, b.sh_w_thread = np.full(self.sh_w_epoch.size, -1, np.int64), np.empty_like(self.sh_w_thread)
+        b.sh_r_epoch, b.sh_r_thread = np.full(self.sh_r_epoch.size, -1, np.int64), np.empty_like(self.sh_r_thread)
+        b.async_reset()
+        b.exited = np.zeros(self.T, bool)
+        b.any_exited = False
+        b.steps = b.thread_steps = 0
+        b.where = f"block ({bx}, {by}, {bz})"
+        return b
+
+    @staticmethod
+    def _run_block(b: "_Launch") -> None:
+        fr = _Frame(b.entry, b, np.ones(b.T, bool))
+        fr.params = dict(b.params)
+        try:
+            b._activate(fr)
+        except PtxInterpreterError as e:
+            raise PtxInterpreterError(f"{b.where}: {e}") from None
+
+    @classmethod
+    def _run_cluster(cls, blocks: List["_Launch"]) -> None:
+        """The blocks of one cluster, each in a thread of its own, so that each
+        can wait at a cluster barrier for the others. A block that ends (or
+        fails) breaks the barrier: whoever waits at it, or arrives later, never
+        meets that block there, which on a GPU is a hang."""
+        barrier = _ClusterBarrier(len(blocks))
+        errors: List[BaseException] = []
+
+        def run(b: "_Launch") -> None:
+            try:
+                with np.errstate(all="ignore"):  # per thread: run_kernel's does not reach here
+                    cls._run_block(b)
+            except BaseException as e:  # reported below, after every thread has ended
+                errors.append(e)
+            finally:
+                barrier.end()
+
+        for b in blocks:
+            b.peers, b.cluster_barrier = blocks, barrier
+        threads = [threading.Thread(target=run, args=(b,), daemon=True) for b in blocks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        real = [e for e in errors if not getattr(e, "broken_barrier", False)]
+        if real or errors:
+            raise (real or errors)[0]
+
+    def _cluster_wait(self, func, ins) -> None:
+        if self.cluster_barrier is None:
+            raise _located(func, ins, "barrier.cluster.wait in a kernel launched without clusters "
+                                      "(no .reqnctapercluster)")
+        if not self.cluster_barrier.wait():
+            err = _located(func, ins, "cluster barrier deadlock: another block of the cluster ended "
+                                      "(or failed) without arriving here")
+            err.broken_barrier = True
+            raise err
 
     def _exit(self, lanes: np.ndarray) -> None:
         self.exited = self.exited | lanes
@@ -1964,6 +2121,8 @@ class _Launch:
         if others.any():
             raise _located(func, code[bpc], "bar.sync inside a call made by only part of the block "
                                              f"(threads {np.flatnonzero(others)[:8].tolist()} are elsewhere)")
+        if code[bpc].cluster_wait:
+            self._cluster_wait(func, code[bpc])
         self.epoch += 1
         return bpc + 1, lanes
 
@@ -1990,6 +2149,34 @@ class _Launch:
             if v is not None:
                 old = fr.params.get(actual)
                 fr.params[actual] = v if old is None or old.dtype != v.dtype else np.where(lanes, v, old)
+
+
+class _ClusterBarrier:
+    """The barrier of one cluster's blocks (threads). It can never complete
+    once a block has ended, so a wait then reports a deadlock (False)."""
+
+    def __init__(self, n: int):
+        self.n, self.waiting, self.generation, self.ended = n, 0, 0, 0
+        self.cond = threading.Condition()
+
+    def wait(self) -> bool:
+        with self.cond:
+            if self.ended:
+                return False
+            generation = self.generation
+            self.waiting += 1
+            if self.waiting == self.n:
+                self.waiting, self.generation = 0, generation + 1
+                self.cond.notify_all()
+                return True
+            while generation == self.generation and not self.ended:
+                self.cond.wait()
+            return generation != self.generation
+
+    def end(self) -> None:
+        with self.cond:
+            self.ended += 1
+            self.cond.notify_all()
 
 
 def _park(parked: Dict[int, np.ndarray], pmin: int, pc: int, lanes: np.ndarray):

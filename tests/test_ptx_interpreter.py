@@ -206,6 +206,11 @@ INT32_OPS = [
     ("shr.s32 %ro, %ra, 40", lambda a, b, sh: a >> 31),
     ("shr.s32 %ro, %ra, %rsh", lambda a, b, sh: a >> min(sh, 31)),
     ("shr.u32 %ro, %ra, %rsh", lambda a, b, sh: u32(a) >> sh if sh < 32 else 0),
+    # bit-field insert: a's low 30 bits into b at bit 2 (what NVVM makes of
+    # (b & 3) | (a << 2)); a run-time position with 5 bits
+    ("bfi.b32 %ro, %ra, %rb, 2, 30", lambda a, b, sh: (b & 3) | (a << 2)),
+    ("bfi.b32 %ro, %ra, %rb, %rsh, 5",
+     lambda a, b, sh: (b & ~(31 << sh)) | ((a & 31) << sh) if sh < 32 else b),
     ("add.sat.s32 %ro, %ra, %rb", lambda a, b, sh: min(max(a + b, -2 ** 31), 2 ** 31 - 1)),
     ("setp.lt.s32 %p1, %ra, %rb;\n\tselp.u32 %ro, 1, 0, %p1", lambda a, b, sh: int(a < b)),
     ("setp.lo.u32 %p1, %ra, %rb;\n\tselp.b32 %ro, %ra, %rb, %p1", lambda a, b, sh: a if u32(a) < u32(b) else b),
@@ -1212,6 +1217,96 @@ def test_barrier_deadlock_is_detected():
     buf = np.zeros(8, np.uint32)
     launch(ptx, "early_exit", (1, 1, 1), (8, 1, 1), [buf, 0])
     assert buf.tolist() == [0, 0, 0, 0, 4, 5, 6, 7]
+
+
+def cluster_kernel(name: str, skip_rank: int = -1, rank_offset: int = 0) -> str:
+    """Clusters of 4 blocks along y: each block leaves in[block, t] in its
+    shared memory; after a cluster barrier, out[block, t] = sum over ranks r
+    (in order) of (r + 1) * rank r's value, + 1000 * its own rank. Rank
+    `skip_rank` (if any) returns before the first barrier; the loads read rank
+    r + `rank_offset`."""
+    return kernel(name, f"""
+.extern .shared .align 16 .b8 buf[];
+.visible .entry {name}(.param .u64 p_in, .param .u64 p_out)
+.maxntid 32, 1, 1
+.explicitcluster
+.reqnctapercluster 1, 4, 1
+{{
+	.reg .pred %p<3>;
+	.reg .b32 %r<12>;
+	.reg .f32 %f<6>;
+	.reg .b64 %rd<8>;
+	ld.param.u64 %rd1, [p_in];
+	ld.param.u64 %rd2, [p_out];
+	mov.u32 %r1, %tid.x;
+	mov.u32 %r2, %ctaid.y;
+	mov.u32 %r3, %cluster_ctarank;
+	shl.b32 %r4, %r2, 5;
+	add.s32 %r4, %r4, %r1;
+	mul.wide.u32 %rd3, %r4, 4;
+	add.s64 %rd4, %rd1, %rd3;
+	ld.global.f32 %f1, [%rd4];
+	mov.u32 %r5, buf;
+	shl.b32 %r6, %r1, 2;
+	add.s32 %r5, %r5, %r6;
+	st.shared.f32 [%r5], %f1;
+	setp.eq.u32 %p2, %r3, {skip_rank & 0xFFFFFFFF};
+	@%p2 bra $L_end;
+	barrier.cluster.arrive.release.aligned;
+	barrier.cluster.wait.acquire.aligned;
+	cvt.rn.f32.u32 %f2, %r3;
+	mul.rn.f32 %f2, %f2, 0f447A0000;
+	mov.u32 %r7, 0;
+$L_loop:
+	add.s32 %r10, %r7, {rank_offset};
+	mapa.shared::cluster.u32 %r8, %r5, %r10;
+	ld.shared::cluster.f32 %f3, [%r8];
+	add.s32 %r9, %r7, 1;
+	cvt.rn.f32.u32 %f4, %r9;
+	fma.rn.f32 %f2, %f3, %f4, %f2;
+	mov.u32 %r7, %r9;
+	setp.lt.u32 %p1, %r7, 4;
+	@%p1 bra $L_loop;
+	add.s64 %rd5, %rd2, %rd3;
+	st.global.f32 [%rd5], %f2;
+	barrier.cluster.arrive.aligned;
+	barrier.cluster.wait.aligned;
+$L_end:
+	ret;
+}}
+""")
+
+
+def test_thread_block_clusters_read_each_others_shared_memory():
+    """The blocks of a cluster meet at its barrier and read each other's shared
+    memory through mapa + ld.shared::cluster; two clusters of 4 along y."""
+    ptx = cluster_kernel("cluster_sum")
+    x = np.random.default_rng(3).standard_normal((8, 32)).astype(np.float32)
+    out = np.full((8, 32), np.nan, np.float32)
+    launch(ptx, "cluster_sum", (1, 8, 1), (32, 1, 1), [x, out], dynamic_shared_bytes=128)
+    for b in range(8):
+        first, rank = b - b % 4, b % 4
+        want = np.full(32, 1000 * rank, np.float32)
+        for r in range(4):  # fma: the float64 product is exact, one rounding of the sum (seeded: no tie)
+            want = (x[first + r].astype(np.float64) * (r + 1) + want).astype(np.float32)
+        assert_same_f32(out[b], want)
+    with pytest.raises(PtxInterpreterError, match="whole number of clusters"):
+        run_kernel(ptx, "cluster_sum", (1, 6, 1), (32, 1, 1), [x, out], dynamic_shared_bytes=128)
+
+
+def test_cluster_barrier_deadlock_and_bad_ranks_are_detected():
+    x = np.zeros((4, 32), np.float32)
+    out = np.zeros((4, 32), np.float32)
+    with pytest.raises(PtxInterpreterError, match="cluster barrier deadlock"):
+        run_kernel(cluster_kernel("cluster_skip", skip_rank=2), "cluster_skip", (1, 4, 1), (32, 1, 1),
+                   [x, out], dynamic_shared_bytes=128)
+    # a rank past the cluster: 4 on the last trip
+    with pytest.raises(PtxInterpreterError, match="rank 4, but the cluster has 4 blocks"):
+        run_kernel(cluster_kernel("cluster_far", rank_offset=1), "cluster_far", (1, 4, 1), (32, 1, 1),
+                   [x, out], dynamic_shared_bytes=128)
+    plain = simple_kernel("no_cluster", "\tbarrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;")
+    with pytest.raises(PtxInterpreterError, match="launched without clusters"):
+        run_kernel(plain, "no_cluster", (1, 1, 1), (8, 1, 1), [np.zeros(8, np.float32), 0])
 
 
 def test_unsupported_instruction_names_instruction_and_line():
