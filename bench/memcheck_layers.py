@@ -40,6 +40,8 @@ FAMILY_LAYERS = {
     "family-pointwise-grouped": ConvShape(1024, 256, 13, 13, 1, 1),
     # 32 channels x 128 threads capped at 4 blocks per SM (a widening 1x1, shapes.default_pointwise_tiling)
     "family-pointwise-capped": ConvShape(128, 512, 7, 7, 1, 1),
+    # batch 1: 8 slices summed inside thread-block clusters (distributed shared memory)
+    "family-pointwise-cluster": ConvShape(2048, 512, 7, 7, 1, 1),
 }
 
 

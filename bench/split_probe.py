@@ -49,8 +49,9 @@ from sparseconv.zoo import pruned_model, resnet50, vgg16
 def parse_cand(shape, text: str, batch: int):
     """"default", "direct" (the direct family's default and its split variant
     for this batch) or k_block x threads x slices[x c_block], each with optional
-    suffixes ":O<level>" (ptxas optimisation level) and ":B<n>" (min_blocks:
-    n blocks per SM, which caps the registers per thread), e.g. 64x256x1:B2."""
+    suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:
+    n blocks per SM, which caps the registers per thread) and ":Skernel" /
+    ":Scluster" (how the slices are summed, Tiling.slice_sum), e.g. 64x256x1:B2."""
     text, *suffixes = text.split(":")
     if text == "default":
         t = variant_for_batch(shape, batch)
@@ -65,9 +66,32 @@ def parse_cand(shape, text: str, batch: int):
             t = replace(t, ptxas_level=int(suffix[1:]))
         elif suffix[:1] == "B" and suffix[1:].isdigit():
             t = replace(t, min_blocks=int(suffix[1:]))
+        elif suffix in ("Skernel", "Scluster"):
+            t = replace(t, slice_sum=suffix[1:])
         else:
-            raise ValueError(f"candidate {text!r}: unknown suffix :{suffix} (use :O<level> or :B<blocks per SM>)")
+            raise ValueError(f"candidate {text!r}: unknown suffix :{suffix} "
+                             "(use :O<level>, :B<blocks per SM>, :Skernel or :Scluster)")
     return t
+
+
+def max_active_clusters(fn, grid, block, shared_bytes: int) -> int:
+    """How many of a cluster kernel's clusters the GPU runs at once
+    (cuOccupancyMaxActiveClusters): a grid with more clusters than this runs
+    in more than one wave. Driver API through ctypes (CuPy has no wrapper)."""
+    import ctypes
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None, None, 0)
+    n = ctypes.c_int()
+    status = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n), ctypes.c_void_p(getattr(fn, "kernel", fn).ptr),
+                                               ctypes.byref(config))
+    if status:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: CUDA error {status}")
+    return n.value
 
 
 def layer_weight(seed: int, lname: str, shape) -> np.ndarray:
@@ -126,8 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
-                    help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level> "
-                         "and :B<blocks per SM>, comma-separated")
+                    help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level>, "
+                         ":B<blocks per SM> and :Skernel/:Scluster, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")
@@ -195,12 +219,12 @@ def main() -> None:
         res = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)) if layer.epilogue.residual else None
         k(x, out=out, residual=res)
         _, _, fn = k.variant(n)
-        slices = layer.tiling.slices
-        ws = cupy.empty((slices,) + out.shape, cupy.float32) if slices > 1 else out
+        workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
+        ws = cupy.empty((layer.tiling.slices,) + out.shape, cupy.float32) if workspace else out
 
         def main_only():
             fn(layer.grid(n), (layer.tiling.threads, 1, 1),
-               (x, ws, k._bias, np.uint64(0) if res is None or slices > 1 else res, np.int32(n),
+               (x, ws, k._bias, np.uint64(0) if res is None or workspace else res, np.int32(n),
                 np.int32(layer.chunks)), shared_mem=layer.shared_bytes)
 
         def reduce_only():
@@ -213,17 +237,25 @@ def main() -> None:
         row = dict(layer=lname, cand=c, epilogue=layer.epilogue.describe(), shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
                    grid=list(layer.grid(n)), threads=layer.tiling.threads,
                    cubin_bytes=layer.stats.get("artifact_bytes"),
+                   registers=fn.attributes["num_regs"] if hasattr(fn, "attributes") else None,
                    call_us=time_gpu(lambda: k(x, out=out, residual=res), repeat=30, max_seconds=0.3, capture=cupy_graph).us,
                    main_us=time_gpu(main_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us)
-        if slices > 1:
+        if layer.tiling.slice_sum == "cluster":
+            row["clusters"] = row["grid"][0] * row["grid"][1] * row["grid"][2] // layer.tiling.slices
+            row["max_active_clusters"] = max_active_clusters(fn, layer.grid(n), (layer.tiling.threads, 1, 1),
+                                                             layer.shared_bytes)
+        if workspace:
             row["reduce_us"] = time_gpu(reduce_only, repeat=30, max_seconds=0.3, capture=cupy_graph).us
         if args.cold:
             row["call_cold_us"] = time_cold(lambda: k(x, out=out, residual=res), l2_flush(flush, x), repeat=30,
                                             max_seconds=0.3, capture=cupy_graph).us
         rows.append(row)
         cold = f" cold {row['call_cold_us']:6.1f}" if args.cold else ""
-        print(f"{lname:26s} {c:12s} {layer.tiling.describe():64s} grid {row['grid']} call {row['call_us']:6.1f}"
-              f"{cold} main {row['main_us']:6.1f} reduce {row.get('reduce_us', 0):5.1f} us", flush=True)
+        waves = (f" clusters {row['clusters']}/{row['max_active_clusters']} at once"
+                 if "clusters" in row else "")
+        print(f"{lname:26s} {c:12s} {layer.tiling.describe():64s} grid {row['grid']} regs {row['registers']}"
+              f"{waves} call {row['call_us']:6.1f}{cold} main {row['main_us']:6.1f} "
+              f"reduce {row.get('reduce_us', 0):5.1f} us", flush=True)
     if rows:
         json.dump(rows, open(args.out, "w"), indent=1)
 

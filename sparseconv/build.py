@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -20,7 +20,7 @@ from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
 from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, max_batch_per_launch,
-                     n_chunks, n_kblocks, patch_buffer_bytes)
+                     n_chunks, n_kblocks, dynamic_shared_bytes)
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key
@@ -86,7 +86,7 @@ class CompiledLayer:
 
     @property
     def shared_bytes(self) -> int:
-        return patch_buffer_bytes(self.shape, self.tiling)
+        return dynamic_shared_bytes(self.shape, self.tiling)
 
 
 def template_cache_key(source: str, target: Target) -> str:
@@ -124,6 +124,8 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     `epilogue` is applied at the store (residual add, activation)."""
     tiling = tiling or default_tiling(shape)
     target = target or Target()
+    if tiling.slice_sum == "cluster" and not target.has_clusters:
+        tiling = replace(tiling, slice_sum="kernel")  # clusters need sm_90; the workspace sum serves any GPU
     cache = cache or ArtifactCache()
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if weight.shape != shape.weight_shape:

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 
 REG_RE = re.compile(r"%[A-Za-z_$][\w$]*")
 LABEL_DEF_RE = re.compile(r"^(\$?[A-Za-z_][\w$]*):$")
-INSTR_RE = re.compile(r"^(@!?%[\w$]+\s+)?([a-z][\w.]*)\s*(.*)$", re.S)
+INSTR_RE = re.compile(r"^(@!?%[\w$]+\s+)?([a-z][\w.]*(?:::[\w.]+)*)\s*(.*)$", re.S)  # ld.shared::cluster.f32
 REG_DECL_RE = re.compile(r"^\.reg\s+\.(\w+)\s+(%[A-Za-z_$][\w$]*)")
 F32_IMM_RE = re.compile(r"^0[fF]([0-9A-Fa-f]{8})$")
 

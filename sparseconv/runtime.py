@@ -76,6 +76,21 @@ def load_kernel(artifact: bytes, suffix: str, entry: str) -> Tuple[Any, Any]:
         os.unlink(path)
 
 
+# Thread-block clusters of more than 8 blocks run only on GPUs that allow them
+# (the H100 allows 16) and only for kernels that opt in.
+PORTABLE_CLUSTER_SIZE = 8
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+
+
+def allow_large_clusters(fn: Any) -> None:
+    """Let a loaded kernel launch with its compiled-in cluster of up to 16
+    blocks (Tiling.slice_sum "cluster" with more than 8 slices)."""
+    import cupy
+
+    function = getattr(fn, "kernel", fn)  # RawModule.get_function gives a RawKernel around a Function
+    cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+
+
 def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
     """A cupy.cuda.Stream for a CuPy or torch.cuda stream (same stream, no copy)."""
     import cupy
@@ -146,7 +161,8 @@ class Conv2dKernel:
     A kernel may hold several compiled variants of the layer, each for batches
     up to a size (e.g. the reduction split over blocks for batch 1, where one
     image gives too few blocks to fill the GPU, unsplit for larger batches);
-    the call picks by the batch size. A split variant keeps its partial sums in a
+    the call picks by the batch size. A split variant whose slices are not
+    summed in a cluster (Tiling.slice_sum) keeps its partial sums in a
     workspace of the kernel's own (one per batch size, allocated on first use):
     calls of one kernel must not run concurrently on different streams."""
 
@@ -167,6 +183,9 @@ class Conv2dKernel:
         self.device_id = cupy.cuda.Device().id
         # (up_to_batch, layer, function); the module is kept alive beside its function
         loaded = [(up_to, v, load_kernel(v.artifact, v.artifact_suffix, v.entry)) for up_to, v in variants]
+        for _, v, (_, fn) in loaded:
+            if v.tiling.slice_sum == "cluster" and v.tiling.slices > PORTABLE_CLUSTER_SIZE:
+                allow_large_clusters(fn)
         self._variants = [(up_to, v, fn) for up_to, v, (_, fn) in loaded]
         self._modules = [mod for _, _, (mod, _) in loaded]
         k = self.shape.out_channels
@@ -291,15 +310,18 @@ class Conv2dKernel:
         n = x.shape[0]
         index, layer, fn = self.variant(n)
         step = layer.max_batch_per_launch
-        slices = layer.tiling.slices
+        # partial sums through a workspace and a second launch, unless the
+        # kernel's clusters add them (Tiling.slice_sum)
+        workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
         for first in range(0, n, step):
             count = min(step, n - first)
             y = out[first:first + count]
             res = residual[first:first + count] if residual is not None else None
-            if slices > 1:  # partial sums into the workspace, then the ordered reduction
+            if workspace:  # partial sums into the workspace, then the ordered reduction
                 ws = self._workspace.get((index, count))
                 if ws is None:
-                    ws = self._workspace[(index, count)] = cupy.empty((slices,) + y.shape, cupy.float32)
+                    ws = self._workspace[(index, count)] = cupy.empty((layer.tiling.slices,) + y.shape,
+                                                                      cupy.float32)
                 target = ws
             else:
                 target = y
@@ -307,7 +329,7 @@ class Conv2dKernel:
                (x[first:first + count], target, self._bias, res if res is not None else np.uint64(0),
                 np.int32(count), np.int32(layer.chunks)),
                shared_mem=layer.shared_bytes)
-            if slices > 1:
+            if workspace:
                 reduce_slices(self.device_id, target, y, res, self.epilogue.bounds)
 
     def __repr__(self) -> str:

@@ -13,6 +13,14 @@ IntPair = Union[int, Tuple[int, int]]
 FAMILIES = ("direct", "pointwise")
 # Activations the epilogue applies at the store (Epilogue.activation).
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
+# How a split reduction's slices are added (Tiling.slice_sum): "kernel", a
+# second launch over a workspace of partial sums; "cluster", the slices of an
+# output block form one thread-block cluster (sm_90+) and add each other's
+# partial sums through distributed shared memory before the store.
+SLICE_SUMS = ("kernel", "cluster")
+# Blocks in one cluster: 8 is portable; the H100 allows 16 once the kernel
+# opts in (runtime: the non-portable cluster size attribute).
+MAX_CLUSTER_SLICES = 16
 
 # Bound on the weights of one template body (K_BLOCK * C_BLOCK * R * S). nvcc and
 # ptxas time grow faster than linearly with straight-line code, so the template
@@ -152,16 +160,25 @@ class Tiling:
     # order (a chunk's loads first), which is what a block with few warps needs.
     # Without ptxas (PTX artifact, driver JIT) the driver's default applies.
     ptxas_level: int = 3
+    # How the slices' partial sums are added (SLICE_SUMS); "cluster" needs
+    # sm_90 (build_conv2d falls back to "kernel" for older targets).
+    slice_sum: str = "kernel"
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
             if name == "family":
                 if v not in FAMILIES:
                     raise ValueError(f"tiling.family must be one of {FAMILIES}, got {v!r}")
+            elif name == "slice_sum":
+                if v not in SLICE_SUMS:
+                    raise ValueError(f"tiling.slice_sum must be one of {SLICE_SUMS}, got {v!r}")
             elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"tiling.{name} must be a positive int, got {v!r}")
         if self.ptxas_level not in (1, 2, 3):
             raise ValueError(f"tiling.ptxas_level must be 1, 2 or 3, got {self.ptxas_level!r}")
+        if self.slice_sum == "cluster" and not 2 <= self.slices <= MAX_CLUSTER_SLICES:
+            raise ValueError(f"a cluster sum takes 2 to {MAX_CLUSTER_SLICES} slices (one cluster of blocks), "
+                             f"got {self.slices}")
         if self.family == "pointwise" and self.tile_h != 1:
             raise ValueError("a pointwise tiling has tile_h 1 (its pixels run along tile_w)")
         if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
@@ -200,6 +217,7 @@ class Tiling:
         blocks = f", {self.min_blocks} blocks/SM" if self.min_blocks > 1 else ""
         fam = "" if self.family == "direct" else f"{self.family} "
         sl = f", {self.slices} slices" if self.slices > 1 else ""
+        sl += " summed in a cluster" if self.slice_sum == "cluster" else ""
         sl += f", ptxas -O{self.ptxas_level}" if self.ptxas_level != 3 else ""
         if self.family == "pointwise":
             return (f"{fam}k_block={self.k_block} c_block={self.c_block} pixels={self.thread_w}/thread "
@@ -261,6 +279,11 @@ class Target:
     def __post_init__(self) -> None:
         if not (self.arch.startswith("sm_") and self.arch[3:].rstrip("af").isdigit()):
             raise ValueError(f"target arch must look like 'sm_90', got {self.arch!r}")
+
+    @property
+    def has_clusters(self) -> bool:
+        """Thread-block clusters and distributed shared memory: sm_90 and later."""
+        return int(self.arch[3:].rstrip("af")) >= 90
 
 
 # The pointwise family reads its input once per k-block. Blocks start in
@@ -332,6 +355,21 @@ def patch_buffer_bytes(shape: ConvShape, tiling: Tiling) -> int:
     return 2 * tiling.c_block * ph * pw * 4
 
 
+def partial_tile_bytes(tiling: Tiling) -> int:
+    """A block's partial sums, k_block x outputs per thread x threads floats:
+    what a cluster sum (Tiling.slice_sum) leaves in shared memory for the
+    other slices of its cluster to read."""
+    return tiling.k_block * tiling.fmas_per_weight * tiling.threads * 4
+
+
+def dynamic_shared_bytes(shape: ConvShape, tiling: Tiling) -> int:
+    """Dynamic shared memory a block is launched with: the input patches
+    (patch_buffer_bytes), which a cluster sum reuses for its partial tile
+    once the chunk loop is done."""
+    partial = partial_tile_bytes(tiling) if tiling.slice_sum == "cluster" else 0
+    return max(patch_buffer_bytes(shape, tiling), partial)
+
+
 def stage_steps(shape: ConvShape, tiling: Tiling) -> int:
     """Patch elements each thread copies per chunk."""
     ph, pw = patch_size(shape, tiling)
@@ -366,9 +404,10 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     if body > MAX_BODY_WEIGHTS * 4:
         raise ValueError(f"tiling {tiling.describe()} puts {body} weights in one template body; "
                          f"keep k_block*c_block*R*S <= {MAX_BODY_WEIGHTS * 4} or compile time explodes")
-    if patch_buffer_bytes(shape, tiling) > MAX_PATCH_BYTES:
-        raise ValueError(f"tiling {tiling.describe()} needs {patch_buffer_bytes(shape, tiling)} bytes of "
-                         f"shared memory per block; at most {MAX_PATCH_BYTES}: lower c_block or the tile")
+    if dynamic_shared_bytes(shape, tiling) > MAX_PATCH_BYTES:
+        raise ValueError(f"tiling {tiling.describe()} needs {dynamic_shared_bytes(shape, tiling)} bytes of "
+                         f"shared memory per block; at most {MAX_PATCH_BYTES}: lower c_block, the tile "
+                         "or (with a cluster sum) k_block x threads")
     if tiling.k_block > shape.k_per_group:
         raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
     if tiling.c_block > shape.c_per_group:
@@ -641,7 +680,47 @@ def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
     while slices * 2 <= chunks and blocks * slices * 2 <= ONE_WAVE:
         slices *= 2
     # ptxas -O1 for the reason split_tiling gives
-    return replace(t, slices=slices, ptxas_level=1) if slices >= 2 else None
+    return summed_in_cluster(shape, replace(t, slices=slices, ptxas_level=1)) if slices >= 2 else None
+
+
+# SMs a wave of clusters of this many blocks can use on the H100: a cluster's
+# blocks run in one GPC, and the GPCs' SMs are not all multiples of the
+# cluster size (cuOccupancyMaxActiveClusters, bench/split_probe.py, session 15:
+# 1 block an SM, 66 clusters of 2, 15 of 8, 7 of 16; 2 blocks an SM, 62 of 4).
+CLUSTER_WAVE_SMS = {2: 132, 4: 124, 8: 120, 16: 112}
+
+
+def summed_in_cluster(shape: ConvShape, split: Tiling) -> Tiling:
+    """A split tiling with its slices summed inside a thread-block cluster
+    (Tiling.slice_sum) where that measured faster: no workspace and no second
+    launch (~2 us a layer at batch 1), but the blocks of a cluster wait for
+    each other and read each other's partial sums. Measured at batch 1 on the
+    H100 (bench/split_probe.py, docs/PERFORMANCE.md, session 15), cold and hot:
+    - pointwise family, an SM holding two or more of the kernel's blocks
+      (ResNet-50 layer4's 64-thread splits) or clusters of 2: 0.5-1.9 us
+      faster a layer;
+    - pointwise, one block of 224-256 threads an SM, 4-16 slices (layer3):
+      0.5-9 us slower (that one block's warps idle at the barrier and
+      through the reads);
+    - direct family: cold 1-9 us faster, hot 1-10 us slower; left on the
+      reduction kernel until a whole network decides it;
+    - any family, more clusters than one wave holds (CLUSTER_WAVE_SMS): up
+      to 1.4x slower (VGG-16 conv4_2, 64 clusters of 4 against 62).
+    At most MAX_CLUSTER_SLICES, the partial tile within shared memory."""
+    if split.family != "pointwise" or split.slices > MAX_CLUSTER_SLICES:
+        return split
+    fits = max(patch_buffer_bytes(shape, split), partial_tile_bytes(split)) <= MAX_PATCH_BYTES
+    per_sm = register_resident_blocks(split)
+    wave = CLUSTER_WAVE_SMS[1 << (split.slices - 1).bit_length()] * per_sm
+    pays = (split.slices == 2 or per_sm >= 2) and math.ceil(blocks_per_image(shape, split)) <= wave
+    return replace(split, slice_sum="cluster") if fits and pays else split
+
+
+def register_resident_blocks(tiling: Tiling) -> int:
+    """Blocks of this tiling an SM holds at once as far as registers go (its
+    register cap, Tiling.max_registers, is what ptxas may use): 65536 per SM,
+    allocated per warp."""
+    return 65536 // (32 * math.ceil(tiling.threads / 32) * tiling.max_registers)
 
 
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
@@ -685,7 +764,7 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     # batch 1 (bench/split_probe.py): 1x1 layers 1.6-2.4x faster; deep 3x3
     # even, and at batch 64 (many warps) -O1 is 0-15% slower.
     level = 1 if tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) == (1, 1) else tiling.ptxas_level
-    return replace(tiling, slices=slices, ptxas_level=level)
+    return summed_in_cluster(shape, replace(tiling, slices=slices, ptxas_level=level))
 
 
 # The split variant serves at most this batch size: measured better at batch
@@ -697,7 +776,7 @@ MAX_SPLIT_BATCH = 16
 def split_batch_limit(shape: ConvShape, split: Tiling) -> int:
     """Largest batch the split variant serves: while the same tiling unsplit
     would still give less than one wave of blocks, at most MAX_SPLIT_BATCH."""
-    unsplit = replace(split, slices=1)
+    unsplit = replace(split, slices=1, slice_sum="kernel")
     return max(1, min(MAX_SPLIT_BATCH, math.ceil(ONE_WAVE / blocks_per_image(shape, unsplit)) - 1))
 
 

@@ -1,11 +1,12 @@
 """Running a specialised conv kernel in the PTX interpreter as the run time
 launches it (sparseconv.runtime.Conv2dKernel._launch), for the CPU tests: the
 entry's arguments, a split variant's workspace, and the ordered sum of its
-slices with the epilogue after it (what sc_reduce_slices does on the GPU)."""
+slices with the epilogue after it (what sc_reduce_slices does on the GPU), or,
+for a cluster sum, the output itself (the kernel adds the slices)."""
 import numpy as np
 
 from sparseconv.render import ENTRY_NAME
-from sparseconv.shapes import launch_grid, n_chunks, patch_buffer_bytes
+from sparseconv.shapes import dynamic_shared_bytes, launch_grid, n_chunks
 
 from ptx_interpreter import run_kernel
 
@@ -13,15 +14,17 @@ from ptx_interpreter import run_kernel
 def run_ptx(ptx, rendered, x, bias, residual=None):
     """Run the specialised kernel in the interpreter. With a split reduction
     the slices' partial sums are added here in slice order (as the run-time's
-    reduction kernel does) and the epilogue applied after."""
+    reduction kernel does) and the epilogue applied after, unless the kernel
+    sums them in its clusters (Tiling.slice_sum)."""
     shape, t = rendered.shape, rendered.tiling
     n = x.shape[0]
-    y = np.full((t.slices, n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    outputs = 1 if t.slice_sum == "cluster" else t.slices
+    y = np.full((outputs, n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
     run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
                args=[np.ascontiguousarray(x), y, bias, residual if residual is not None else 0, n,
                      n_chunks(shape, t)],
-               dynamic_shared_bytes=patch_buffer_bytes(shape, t))
-    if t.slices == 1:
+               dynamic_shared_bytes=dynamic_shared_bytes(shape, t))
+    if outputs == 1:
         return y[0]
     out = y[0]
     for s in range(1, t.slices):

@@ -1,6 +1,7 @@
 """CPU: the kernel-family records and rules in sparseconv.shapes: tilings of
 each family, split-K variants, batch variants, launch grids, the epilogue."""
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, L2_GROUP_BYTES,
                                blocks_per_image, candidate_tilings, check_tiling, default_direct_tiling, default_tiling,
                                launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
                                patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
+from sparseconv.shapes import CLUSTER_WAVE_SMS, register_resident_blocks, variant_for_batch
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -107,6 +109,15 @@ def test_tiling_records_refuse_what_no_template_serves():
     check_tiling(ConvShape(8, 8, 9, 9, 3, 3), Tiling(8, 4, 1, 32, family="pointwise"))  # larger kernels: served
     with pytest.raises(ValueError, match="slices but only"):
         check_tiling(ConvShape(8, 8, 9, 9, 1, 1), Tiling(8, 4, 1, 32, family="pointwise", slices=3))
+    with pytest.raises(ValueError, match="slice_sum must be one of"):
+        Tiling(8, 4, 1, 32, slices=2, slice_sum="atomic")
+    for slices in (1, 17):  # a cluster sum needs a split, and one cluster holds at most 16 blocks
+        with pytest.raises(ValueError, match="cluster sum takes 2 to 16 slices"):
+            Tiling(8, 4, 1, 32, slices=slices, slice_sum="cluster")
+    # the partial tile (k_block x outputs a thread x threads floats) must fit in shared memory
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        check_tiling(ConvShape(64, 64, 32, 32, 1, 1),
+                     Tiling(64, 8, 1, 256, 1, 1, family="pointwise", slices=2, slice_sum="cluster"))
 
 
 def test_slices_multiply_the_kblock_copies_and_divide_the_chunks():
@@ -264,3 +275,48 @@ def test_tuning_candidates_of_a_deep_3x3_include_512_pointwise_threads():
     deep = ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1))
     threads = {t.threads for t in candidate_tilings(deep) if t.family == "pointwise"}
     assert {128, 256, 512} <= threads
+
+
+def test_slices_summed_in_a_cluster_where_measured_faster():
+    """The rule (shapes.summed_in_cluster, measured on the H100 in session 15):
+    pointwise splits whose SM holds two or more blocks, or clusters of 2, sum
+    in a cluster; one 224-256-thread block an SM with more slices, the direct
+    family and grids of more clusters than one wave holds keep the reduction
+    kernel."""
+    r50, vgg = dict(resnet50()), dict(vgg16())
+
+    def split(shape):
+        return variant_for_batch(shape, 1)
+
+    for name in ("layer4.1.conv1", "layer4.1.conv2", "layer4.0.downsample", "layer2.1.conv3"):
+        t = split(r50[name])
+        assert t.slice_sum == "cluster", name
+        assert t.family == "pointwise" and (t.slices == 2 or register_resident_blocks(t) >= 2)
+    for name in ("layer3.1.conv1", "layer3.1.conv2", "layer2.1.conv1", "layer4.0.conv1"):  # one big block an SM
+        t = split(r50[name])
+        assert t.slices > 2 and register_resident_blocks(t) == 1 and t.slice_sum == "kernel", name
+    assert split(r50["layer2.1.conv2"]).family == "direct" and split(r50["layer2.1.conv2"]).slice_sum == "kernel"
+    # 64 clusters of 4 direct blocks: more than one wave holds (62 at 2 blocks an SM)
+    assert split(vgg["conv4_2"]).slice_sum == "kernel"
+    assert math.ceil(blocks_per_image(vgg["conv4_2"], split(vgg["conv4_2"]))) > CLUSTER_WAVE_SMS[4] * 2
+    assert register_resident_blocks(Tiling(32, 64, 1, 64, family="pointwise")) == 4  # 64 threads, 255 registers
+
+
+def test_a_cluster_sum_falls_back_to_the_reduction_kernel_before_sm_90(tmp_path):
+    """Clusters need sm_90: built for an older GPU, the same tiling sums its
+    slices through the workspace, and says so."""
+    import numpy as np
+
+    from sparseconv.build import build_conv2d
+    from sparseconv.cache import ArtifactCache
+    from sparseconv.shapes import Target
+
+    shape = ConvShape(16, 8, 4, 4, 1, 1)
+    t = Tiling(8, 4, 1, 32, family="pointwise", slices=2, slice_sum="cluster")
+    w = np.ones(shape.weight_shape, np.float32)
+    assert Target("sm_90").has_clusters and Target("sm_100a").has_clusters and not Target("sm_80").has_clusters
+    old = build_conv2d(w, shape, tiling=t, target=Target("sm_80"), cache=ArtifactCache(tmp_path))
+    assert old.tiling == replace(t, slice_sum="kernel") and "cluster" not in old.stats["tiling"]
+    new = build_conv2d(w, shape, tiling=t, target=Target("sm_90"), cache=ArtifactCache(tmp_path))
+    assert new.tiling == t and "summed in a cluster" in new.stats["tiling"]
+    assert new.shared_bytes == 8 * 32 * 4 and old.shared_bytes == 0  # the partial tile: k_block x threads floats

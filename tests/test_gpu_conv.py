@@ -274,3 +274,36 @@ def test_split_reduction_is_deterministic(session_cache_dir):
     first = conv(x)
     for _ in range(5):
         assert bool((conv(x) == first).all())
+
+
+@pytest.mark.parametrize("name", ["pointwise_deep_7x7", "wide_14x14", "mixed_28x28", "wide_strided_14_to_7"])
+def test_cluster_sum_matches_reference_and_the_workspace_sum(name, session_cache_dir):
+    """The split variant with its slices summed inside a thread-block cluster
+    (8 or 16 blocks, pointwise and direct families), residual and ReLU fused:
+    within TOL of float64, and bit-identical to the same tiling summed through
+    the workspace and the reduction kernel (the same order of additions)."""
+    import cupy as cp
+    from dataclasses import replace
+
+    from sparseconv.shapes import variant_for_batch
+
+    rng = np.random.default_rng()
+    s = _family_shape(name)
+    w = pruned_weight(rng, s.weight_shape, 0.9)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    split = variant_for_batch(s, 1)
+    assert split.slices > 1
+    convs = {how: sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride,
+                                            padding=s.padding, activation="relu", residual=True,
+                                            tiling=replace(split, slice_sum=how),
+                                            cache_dir=str(session_cache_dir), name=f"{name}-{how}")
+             for how in ("cluster", "kernel")}
+    assert convs["cluster"].layer.tiling.slice_sum == "cluster"
+    for batch in (1, 3):
+        x = cp.asarray(rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w)).astype(np.float32))
+        r = cp.asarray(rng.standard_normal(convs["cluster"].output_shape(batch)).astype(np.float32))
+        ref = cp.maximum(conv2d_reference(x, cp.asarray(w), cp.asarray(bias), s.stride, s.padding, xp=cp) + r, 0)
+        ys = {how: conv(x, out=cp.full(conv.output_shape(batch), np.nan, cp.float32), residual=r)
+              for how, conv in convs.items()}
+        assert relative_l2(ys["cluster"], ref, xp=cp) <= TOL
+        assert bool((ys["cluster"].view(cp.uint32) == ys["kernel"].view(cp.uint32)).all())

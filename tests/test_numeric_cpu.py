@@ -3,6 +3,7 @@
 This is how CI, which has no GPU, checks the numbers of the specialisation pass:
 a renaming or weight-placement bug changes the result and fails here."""
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -173,8 +174,8 @@ def test_a_piece_that_drops_an_accumulator_is_caught(monkeypatch):
 
 # --------------------------------------------------------------------------- kernel families, split-K, epilogues
 
-def _pointwise(kb, cb, pixels, threads, slices=1):
-    return Tiling(kb, cb, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices)
+def _pointwise(kb, cb, pixels, threads, slices=1, slice_sum="kernel"):
+    return Tiling(kb, cb, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices, slice_sum=slice_sum)
 
 
 FAMILY_LAYERS = {
@@ -210,6 +211,21 @@ FAMILY_LAYERS = {
                                      Epilogue("relu", residual=True)),
     "direct_residual_relu6": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1),
                               Epilogue("relu6", residual=True)),
+    # the slices summed inside a thread-block cluster: 3 slices sharing 8
+    # channels unevenly, a k-block tail (5 channels a group, k_block 4), two
+    # pixels a thread, an empty last slice, a direct tile with a partial edge
+    "pw_cluster_residual_relu6": (ConvShape(12, 8, 3, 3, 1, 1), _pointwise(8, 2, 1, 32, 3, "cluster"),
+                                  Epilogue("relu6", residual=True)),
+    "pw_cluster_groups_k_tail": (ConvShape(8, 10, 4, 4, 1, 1, groups=2), _pointwise(4, 2, 1, 32, 2, "cluster"),
+                                 Epilogue("relu")),
+    "pw3x3_cluster_stride2": (ConvShape(6, 4, 9, 8, 3, 3, (2, 2), (1, 1)), _pointwise(4, 2, 2, 32, 2, "cluster"),
+                              Epilogue()),
+    "pw_cluster_empty_last_slice": (ConvShape(5, 4, 3, 3, 1, 1), _pointwise(4, 1, 1, 32, 4, "cluster"), Epilogue()),
+    "direct_cluster_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)),
+                                Tiling(4, 1, 3, 6, 1, 2, slices=2, slice_sum="cluster"),
+                                Epilogue("relu", residual=True)),
+    "direct_cluster_k_tail": (ConvShape(6, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
+                              Tiling(4, 2, 4, 7, 1, 1, slices=3, slice_sum="cluster"), Epilogue("clip", clip=(-1, 2))),
 }
 
 
@@ -264,6 +280,26 @@ def test_slices_split_the_reduction_and_their_sum_is_the_convolution():
     ref = conv2d_reference(x, w, None, shape.stride, shape.padding)
     assert relative_l2(parts[1], ref) > 1e-2 and relative_l2(parts[0] - bias[:, None, None], ref) > 1e-2
     assert relative_l2(parts[0] + parts[1], ref + bias[:, None, None]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["pw_cluster_residual_relu6", "direct_cluster_residual"])
+def test_a_cluster_sum_equals_the_workspace_sum_bit_for_bit(name):
+    """Summed in a cluster, the slices are added in the order the reduction
+    kernel adds them (rank 0, 1, ...; then the residual, then the clamp), so
+    the output is bit-identical to the workspace path's, not just close."""
+    rng = np.random.default_rng(11)
+    rendered, tptx = family_template(name)
+    shape, epilogue = rendered.shape, rendered.epilogue
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    res = rng.standard_normal((2, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32)
+    in_cluster = run_ptx(specialise(tptx, rendered, w)[0], rendered, x, bias, res)
+    kernel_sum = render(shape, replace(rendered.tiling, slice_sum="kernel"), epilogue)
+    kptx = compile_to_ptx(kernel_sum.source, Target(), name)
+    in_workspace = run_ptx(specialise(kptx, kernel_sum, w)[0], kernel_sum, x, bias, res)
+    assert not np.isnan(in_cluster).any()
+    np.testing.assert_array_equal(in_cluster.view(np.uint32), in_workspace.view(np.uint32))
 
 
 def test_a_slice_placement_bug_is_caught(monkeypatch):

@@ -367,3 +367,16 @@ def test_the_residual_is_loaded_before_the_chunk_loop(shape, tiling):
     outputs = tiling.k_block * tiling.thread_h * tiling.thread_w
     assert global_loads(layouts[True].prologue) - global_loads(layouts[False].prologue) == outputs
     assert global_loads(layouts[True].epilogue) == global_loads(layouts[False].epilogue) == 0
+
+
+def test_statements_with_state_space_qualifiers_keep_their_opcode():
+    """`ld.shared::cluster.f32` (the cluster sum's reads) is one opcode: split
+    at '::', it was printed back as `ld.shared ::cluster.f32`, which ptxas
+    rejects."""
+    from sparseconv.ptx import make_instr
+
+    st = make_instr("ld.shared::cluster.f32 %f1, [%r27]", 7)
+    assert (st.opcode, st.dest, st.srcs) == ("ld.shared::cluster.f32", "%f1", "[%r27]")
+    assert st.render().strip() == "ld.shared::cluster.f32 %f1, [%r27];"
+    assert make_instr("mapa.shared::cluster.u32 %r8, %r5, %r10", 8).opcode == "mapa.shared::cluster.u32"
+    assert make_instr("barrier.cluster.arrive.relaxed.aligned", 9).dest == ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from ..ptx import reg_prefix
-from ..shapes import MAX_PATCH_BYTES, ConvShape, Tiling, patch_buffer_bytes
+from ..shapes import MAX_PATCH_BYTES, ConvShape, Tiling, dynamic_shared_bytes
 from .analysis import TemplateLayout
 
 # Bound on the estimated PTX lines of chunk copies in one function (see the
@@ -62,10 +62,10 @@ def piece_budget(layout: TemplateLayout, state: "PieceState", shape: ConvShape, 
                  piece_lines: Optional[int] = None) -> int:
     """Estimated lines of chunk copies one function may hold: `piece_lines`
     (default MAX_PIECE_LINES), or no bound (k-blocks stay whole) when the loop
-    state would not fit in shared memory next to the input patch, or when the
+    state would not fit in shared memory next to the dynamic shared memory (input patches, partial sums), or when the
     prologue, which every piece reruns, does more than compute."""
     rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
-    if state.bytes + patch_buffer_bytes(shape, tiling) > MAX_SHARED_BYTES or not rerun_ok:
+    if state.bytes + dynamic_shared_bytes(shape, tiling) > MAX_SHARED_BYTES or not rerun_ok:
         return 1 << 62
     return MAX_PIECE_LINES if piece_lines is None else piece_lines
 
