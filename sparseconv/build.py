@@ -20,7 +20,7 @@ from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
 from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, max_batch_per_launch,
-                     n_chunks, n_kblocks, dynamic_shared_bytes)
+                     dynamic_shared_bytes, n_chunks, n_kblocks)
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key

@@ -47,7 +47,8 @@ instruction and its line)
                 shared and global symbols as values; [reg], [reg+imm],
                 [reg+-imm], [reg-imm], [sym], [sym+imm], [imm]; vectors {a, b, ...} and _.
     memory      ld/st .param .global (.nc and cache hints ignored) .shared and
-                generic, ld.shared::cluster (with mapa.shared::cluster.u32), scalar and .v2/.v4, 8-64 bit and f32/f64, dest/source
+                generic, ld.shared::cluster (with mapa.shared::cluster.u32),
+                scalar and .v2/.v4, 8-64 bit and f32/f64, dest/source
                 registers wider than the type (ld/st/cvt extension rules);
                 cvta(.to).{global,shared}.{u32,u64}.
     integer     add sub mul.{lo,hi,wide} mad.{lo,hi,wide} div rem neg abs min
@@ -1042,7 +1043,8 @@ class _Decoder:
         def run(fr, m):
             p = np.minimum(np.asarray(pos(fr, m)).astype(np.uint64) & np.uint64(0xFF), np.uint64(bits))
             n = np.minimum(np.asarray(length(fr, m)).astype(np.uint64) & np.uint64(0xFF), np.uint64(bits))
-            ones = np.where(n >= 64, np.uint64(2**64 - 1), (np.uint64(1) << np.minimum(n, np.uint64(63))) - np.uint64(1))
+            ones = np.where(n >= 64, np.uint64(2**64 - 1),
+                            (np.uint64(1) << np.minimum(n, np.uint64(63))) - np.uint64(1))
             mask = np.where(p >= 64, np.uint64(0), ones << np.minimum(p, np.uint64(63)))
             av = np.asarray(a(fr, m)).view(_UNSIGNED[dt.itemsize]).astype(np.uint64)
             bv = np.asarray(b(fr, m)).view(_UNSIGNED[dt.itemsize]).astype(np.uint64)

@@ -226,6 +226,12 @@ FAMILY_LAYERS = {
                                 Epilogue("relu", residual=True)),
     "direct_cluster_k_tail": (ConvShape(6, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                               Tiling(4, 2, 4, 7, 1, 1, slices=3, slice_sum="cluster"), Epilogue("clip", clip=(-1, 2))),
+    # two chunks a slice, so that a k-block can be cut into pieces (below)
+    "pw_cluster_two_chunks": (ConvShape(16, 8, 3, 3, 1, 1), _pointwise(8, 4, 1, 32, 2, "cluster"),
+                              Epilogue("relu", residual=True)),
+    "direct_cluster_two_chunks": (ConvShape(8, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
+                                  Tiling(4, 2, 4, 7, 1, 1, slices=2, slice_sum="cluster"),
+                                  Epilogue("relu", residual=True)),
 }
 
 
@@ -300,6 +306,27 @@ def test_a_cluster_sum_equals_the_workspace_sum_bit_for_bit(name):
     in_workspace = run_ptx(specialise(kptx, kernel_sum, w)[0], kernel_sum, x, bias, res)
     assert not np.isnan(in_cluster).any()
     np.testing.assert_array_equal(in_cluster.view(np.uint32), in_workspace.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["pw_cluster_two_chunks", "direct_cluster_two_chunks"])
+def test_a_cluster_sum_survives_k_blocks_cut_into_pieces(name):
+    """piece_lines=1 on a cluster-sum layer: the loop state goes through
+    sc_state while the partial tile goes through the dynamic shared memory
+    (the direct family's patch buffers); bit-identical to the whole k-blocks."""
+    rng = np.random.default_rng(13)
+    rendered, tptx = family_template(name)
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    res = rng.standard_normal((2, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32)
+    whole, s1 = specialise(tptx, rendered, w)
+    cut, s2 = specialise(tptx, rendered, w, piece_lines=1)
+    assert s2.pieces > s2.kblocks == s1.pieces
+    y = run_ptx(cut, rendered, x, bias, res)
+    np.testing.assert_array_equal(y, run_ptx(whole, rendered, x, bias, res))
+    ref = apply_epilogue(conv2d_reference(x, w, bias, shape.stride, shape.padding), rendered.epilogue, res)
+    assert relative_l2(y, ref) <= 1e-5
 
 
 def test_a_slice_placement_bug_is_caught(monkeypatch):

@@ -62,8 +62,9 @@ def piece_budget(layout: TemplateLayout, state: "PieceState", shape: ConvShape, 
                  piece_lines: Optional[int] = None) -> int:
     """Estimated lines of chunk copies one function may hold: `piece_lines`
     (default MAX_PIECE_LINES), or no bound (k-blocks stay whole) when the loop
-    state would not fit in shared memory next to the dynamic shared memory (input patches, partial sums), or when the
-    prologue, which every piece reruns, does more than compute."""
+    state would not fit in shared memory next to the dynamic shared memory
+    (input patches, a cluster sum's partial tile), or when the prologue,
+    which every piece reruns, does more than compute."""
     rerun_ok = not any(st.kind == "instr" and st.base_opcode in _SIDE_EFFECTS for st in layout.prologue)
     if state.bytes + dynamic_shared_bytes(shape, tiling) > MAX_SHARED_BYTES or not rerun_ok:
         return 1 << 62
