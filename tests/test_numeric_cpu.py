@@ -329,6 +329,22 @@ def test_a_cluster_sum_survives_k_blocks_cut_into_pieces(name):
     assert relative_l2(y, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["pw_cluster_residual_relu6", "direct_cluster_residual"])
+def test_cluster_sum_ptx_keeps_what_made_it_fast(name):
+    """Two measured lessons (docs/PERFORMANCE.md, session 15), checked on the
+    template's PTX: every distributed shared-memory load is issued before the
+    first add (one at a time, each waited out a round trip), and the exit
+    barrier arrives relaxed (a release arrive after the output stores
+    compiled to MEMBAR.ALL.GPU, waiting for them)."""
+    _, tptx = family_template(name)
+    entry = [line.strip() for line in tptx[tptx.index(".entry"):].splitlines()]
+    arrives = [line for line in entry if line.startswith("barrier.cluster.arrive")]
+    assert arrives == ["barrier.cluster.arrive.release.aligned;", "barrier.cluster.arrive.relaxed.aligned;"]
+    loads = [i for i, line in enumerate(entry) if line.startswith("ld.shared::cluster")]
+    adds = [i for i, line in enumerate(entry) if line.startswith("add.f32") and i > loads[0]]
+    assert loads and adds and max(loads) < min(adds)
+
+
 def test_a_slice_placement_bug_is_caught(monkeypatch):
     """Mutation check: weights arranged into the wrong slice change the result."""
     real = emit.arrange_weights
