@@ -61,17 +61,23 @@ def parse_cand(shape, text: str, batch: int):
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
         t = replace(t, c_block=cb[0]) if cb else t
+    return replace(t, **suffix_fields(suffixes))
+
+
+def suffix_fields(suffixes) -> dict:
+    """The Tiling fields a candidate's suffixes set; ValueError for one that
+    is not :O<level>, :B<blocks per SM>, :Skernel or :Scluster."""
+    fields = {}
     for suffix in suffixes:
         if suffix[:1] == "O" and suffix[1:].isdigit():
-            t = replace(t, ptxas_level=int(suffix[1:]))
+            fields["ptxas_level"] = int(suffix[1:])
         elif suffix[:1] == "B" and suffix[1:].isdigit():
-            t = replace(t, min_blocks=int(suffix[1:]))
+            fields["min_blocks"] = int(suffix[1:])
         elif suffix in ("Skernel", "Scluster"):
-            t = replace(t, slice_sum=suffix[1:])
+            fields["slice_sum"] = suffix[1:]
         else:
-            raise ValueError(f"candidate {text!r}: unknown suffix :{suffix} "
-                             "(use :O<level>, :B<blocks per SM>, :Skernel or :Scluster)")
-    return t
+            raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel or :Scluster)")
+    return fields
 
 
 def max_active_clusters(fn, grid, block, shared_bytes: int) -> int:
@@ -172,6 +178,11 @@ def main() -> None:
     chosen = args.epilogue.split(",")
     if not set(chosen) <= set(epilogues):
         ap.error(f"--epilogue: each of {chosen} must be one of {sorted(epilogues)}")
+    for c in args.cands.split(","):  # a misspelt suffix is a usage error, not a tiling that misfits a layer
+        try:
+            suffix_fields(c.split(":")[1:])
+        except ValueError as e:
+            ap.error(f"--cands {c}: {e}")
     rng = np.random.default_rng(0)
     used = {lname.split(":")[0] for lname in args.layers.split(",")}
     zoo = {net: {name: w for name, _, w in pruned_model(net, 0.9)} for net in used} if args.weights == "zoo" else {}

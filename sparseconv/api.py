@@ -113,7 +113,10 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     else:
         chosen = [(ANY_BATCH, tiling)] if isinstance(tiling, Tiling) else batch_variants(shape, default_tiling(shape))
         for _, t in chosen:  # refuse what cannot be built before building anything
-            check_layer(shape, t)
+            try:
+                check_layer(shape, t)
+            except ValueError as exc:  # LimitError too
+                raise type(exc)(f"{name}: {exc}") from None
         variants = [(up_to, build_conv2d(w, shape, tiling=t, target=target, cache=cache, name=name,
                                          epilogue=epilogue)) for up_to, t in chosen]
     t = time.perf_counter()

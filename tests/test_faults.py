@@ -726,3 +726,28 @@ def test_a_bad_ptxas_level_is_refused_when_the_tiling_is_made(level):
     with pytest.raises(ValueError, match=r"tiling\.ptxas_level must be") as err:
         Tiling(8, 8, 1, 32, family="pointwise", ptxas_level=level)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(slices=2, slice_sum="atomic"), r"tiling\.slice_sum must be one of \('kernel', 'cluster'\)"),
+    (dict(slices=1, slice_sum="cluster"), "a cluster sum takes 2 to 16 slices"),
+    (dict(slices=32, slice_sum="cluster"), "a cluster sum takes 2 to 16 slices"),
+])
+def test_a_bad_slice_sum_is_refused_when_the_tiling_is_made(fields, needle):
+    """Tiling.slice_sum (session 15): one line naming the field or the limit."""
+    with pytest.raises(ValueError, match=needle) as err:
+        Tiling(8, 8, 1, 32, family="pointwise", **fields)
+    assert "\n" not in str(err.value)
+
+
+def test_a_cluster_tiling_over_shared_memory_is_refused_before_building(tmp_path):
+    """The partial tile (k_block x threads floats) must fit in 48 KB: refused
+    with what to lower, naming the layer, nothing cached."""
+    import sparseconv
+
+    w = pruned_weight(np.random.default_rng(0), (64, 64, 1, 1), 0.5)
+    t = Tiling(64, 8, 1, 256, family="pointwise", slices=2, slice_sum="cluster")
+    with pytest.raises(ValueError, match="k_block x threads") as err:
+        sparseconv.compile_conv2d(w, input_size=8, tiling=t, target="sm_90", cache_dir=str(tmp_path / "c"), name="l1")
+    assert "l1" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.cubin"))

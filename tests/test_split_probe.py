@@ -1,6 +1,9 @@
 """bench/split_probe.py's CPU side: order-independent weight draws and the
 SASS load-depth reading that --sass reports."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +38,16 @@ def test_a_layers_random_weights_do_not_depend_on_the_other_layers_named():
     assert np.array_equal(w, split_probe.layer_weight(0, "vgg16:conv1_2", shapes["conv1_2"]))
     assert not np.array_equal(w, split_probe.layer_weight(1, "vgg16:conv1_2", shapes["conv1_2"]))
     assert 0.85 < (w == 0).mean() < 0.95 and w.dtype == np.float32
+
+
+def test_a_misspelt_candidate_suffix_is_a_usage_error_before_any_build(tmp_path):
+    """Exit 2 naming the candidate and the suffixes it takes; no output file."""
+    out = tmp_path / "probe.json"
+    r = subprocess.run([sys.executable, str(Path(split_probe.__file__)), "--layers", "resnet50:layer4.1.conv1",
+                        "--cands", "default:Scluster,default:Sbogus", "--sass", "--out", str(out)],
+                       capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2, r.stderr
+    assert "--cands default:Sbogus: unknown suffix :Sbogus" in r.stderr and "built" not in r.stderr
+    assert not out.exists()
+    assert split_probe.suffix_fields(["O1", "B2", "Scluster"]) == dict(ptxas_level=1, min_blocks=2, slice_sum="cluster")
