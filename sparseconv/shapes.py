@@ -657,7 +657,8 @@ def blocks_per_image(shape: ConvShape, tiling: Tiling) -> float:
 # family (1x1, and the deep 3x3 layers) takes the split with the least code
 # per block: one block of pixels where up to this many threads
 # cover an image, this many output channels a block (the per-block stores
-# and sums shrink with it), and as many slices as keep the blocks in a wave.
+# and sums shrink with it), and as many slices as keep the blocks in a wave
+# (two for the smallest blocks: COLD_SPLIT_TWO_WAVE_MAX_THREADS).
 COLD_SPLIT_MAX_THREADS = 256
 COLD_SPLIT_K_BLOCK = 32
 # Up to 28x28 outputs; measured cold at batch 1 (session 9): ResNet-50's 1x1
@@ -666,6 +667,14 @@ COLD_SPLIT_K_BLOCK = 32
 # slices' partial sums cost more than the code saved (layer1.1.conv1 6.3 ->
 # 9.6 us), so larger images keep the old rule.
 COLD_SPLIT_MAX_PIXELS = 1024
+# Blocks of up to this many threads (7x7 images) take slices for two waves,
+# which run at once, two blocks an SM: two streams of code fetched side by side.
+# Measured cold at batch 1 (session 16, bench/split_probe.py --cold): ResNet-50
+# layer4's 1x1 and 3x3 splits 1.1-1.3x faster (layer4.1.conv2 30.1 -> 24.9 us,
+# layer4.0.downsample 26.8 -> 20.1), though 1.2-1.5x slower hot; four waves
+# gained no more. Blocks of 224 threads given 2 an SM by a register cap lost
+# (layer3.1.conv3 8.8 -> 11.2 us), as did two waves one after the other.
+COLD_SPLIT_TWO_WAVE_MAX_THREADS = 64
 
 
 def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
@@ -676,8 +685,9 @@ def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
     t = pointwise_tiling(shape, COLD_SPLIT_K_BLOCK, 1, threads)
     blocks = math.ceil(pixels / threads) * n_kblocks(shape, t)
     chunks = math.ceil(shape.c_per_group / t.c_block)
+    max_blocks = ONE_WAVE * (2 if threads <= COLD_SPLIT_TWO_WAVE_MAX_THREADS else 1)
     slices = 1
-    while slices * 2 <= chunks and blocks * slices * 2 <= ONE_WAVE:
+    while slices * 2 <= chunks and blocks * slices * 2 <= max_blocks:
         slices *= 2
     # ptxas -O1 for the reason split_tiling gives
     return summed_in_cluster(shape, replace(t, slices=slices, ptxas_level=1)) if slices >= 2 else None
