@@ -712,12 +712,14 @@ def summed_in_cluster(shape: ConvShape, split: Tiling) -> Tiling:
     - pointwise, one block of 224-256 threads an SM, 4-16 slices (layer3):
       0.5-9 us slower (that one block's warps idle at the barrier and
       through the reads);
-    - direct family: cold 1-9 us faster, hot 1-10 us slower; left on the
-      reduction kernel until a whole network decides it;
+    - direct family: cold 1-9 us faster, hot 1-10 us slower; inside the
+      network, where the code is cold, faster (session 16, ABAB runs of
+      bench/network_profile.py at batch 1: the kernels of ResNet-50 -12 us,
+      VGG-16 -18 us);
     - any family, more clusters than one wave holds (CLUSTER_WAVE_SMS): up
       to 1.4x slower (VGG-16 conv4_2, 64 clusters of 4 against 62).
     At most MAX_CLUSTER_SLICES, the partial tile within shared memory."""
-    if split.family != "pointwise" or split.slices > MAX_CLUSTER_SLICES:
+    if split.slices > MAX_CLUSTER_SLICES:
         return split
     fits = max(patch_buffer_bytes(shape, split), partial_tile_bytes(split)) <= MAX_PATCH_BYTES
     per_sm = register_resident_blocks(split)
