@@ -1,0 +1,76 @@
+"""A tiling rule on and off inside a whole network: runs bench/network_profile.py
+(one network, one batch size) with the named rules of sparseconv.shapes
+switched back to what they were before, and prints one line to compare:
+graph replay, kernel sum and each conv's kernel time inside the network.
+
+    for m in "" two-wave-splits "" two-wave-splits; do
+        python bench/network_ab.py resnet50 --batch 1 --without "$m" --out ab.json
+    done
+
+Run the two settings alternately (ABAB) in one device call: the replay of
+one forward moves by a few percent from run to run, the per-kernel sums by
+well under one (session 16, docs/PERFORMANCE.md). The compile cache keeps
+both settings' kernels, so after the first pass a run takes about a minute.
+
+Rules (each was measured this way before it landed):
+  two-wave-splits   batch-1 splits of 64-thread blocks fill two waves
+                    (shapes.COLD_SPLIT_TWO_WAVE_MAX_THREADS), not one
+  direct-cluster    the direct family's slices summed in a cluster
+                    (shapes.summed_in_cluster), not by the reduction kernel
+  cluster-sum       any slices summed in a cluster (session 15): with it off,
+                    every split adds its slices in the reduction kernel
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import sparseconv.shapes as shapes
+
+
+def without_two_wave_splits() -> None:
+    shapes.COLD_SPLIT_TWO_WAVE_MAX_THREADS = 0
+
+
+def without_direct_cluster() -> None:
+    summed_in_cluster = shapes.summed_in_cluster
+
+    def pointwise_only(shape, split):
+        return split if split.family == "direct" else summed_in_cluster(shape, split)
+
+    shapes.summed_in_cluster = pointwise_only  # looked up at call time by split_tiling
+
+
+def without_cluster_sum() -> None:
+    shapes.summed_in_cluster = lambda shape, split: split
+
+
+RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
+         "cluster-sum": without_cluster_sum}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("network", choices=["resnet50", "vgg16"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--without", action="append", default=[],
+                    help=f"a rule to switch off (repeatable; empty: none): {', '.join(RULES)}")
+    ap.add_argument("--out", required=True, help="network_profile.py's JSON")
+    args = ap.parse_args()
+    off = [name for name in args.without if name]
+    for name in off:
+        if name not in RULES:
+            ap.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
+        RULES[name]()
+    sys.argv = ["network_profile.py", args.network, "--batch", str(args.batch), "--out", args.out]
+    runpy.run_path(str(Path(__file__).with_name("network_profile.py")), run_name="__main__")
+    prof = json.loads(Path(args.out).read_text())[f"batch{args.batch}"]
+    print(f"without {'+'.join(off) or 'nothing'}: replay {prof['graph_replay_us']:.1f} us, kernel sum "
+          f"{prof['kernel_sum_us']:.1f} us, per conv {json.dumps({k: round(v, 1) for k, v in prof['in_network_us'].items()})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""bench/network_ab.py's switches put back the tiling rules as they were
+before each landed (the A side of the A/B runs docs/PERFORMANCE.md reports).
+Each runs in its own interpreter: a switch rebinds sparseconv.shapes' names."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("network_ab", "bench/network_ab.py")
+ab = importlib.util.module_from_spec(spec); spec.loader.exec_module(ab)
+for name in sys.argv[1:]:
+    ab.RULES[name]()
+from sparseconv.shapes import variant_for_batch
+from sparseconv.zoo import resnet50, vgg16
+r50, vgg = dict(resnet50()), dict(vgg16())
+t = variant_for_batch(r50["layer4.1.conv1"], 1)
+d = variant_for_batch(vgg["conv3_1"], 1)
+print(t.slices, t.slice_sum, d.family, d.slice_sum)
+"""
+
+
+def variants(*without):
+    out = subprocess.run([sys.executable, "-c", PROBE, *without], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    slices, pointwise_sum, family, direct_sum = out.stdout.split()
+    return int(slices), pointwise_sum, family, direct_sum
+
+
+def test_the_landed_rules_and_each_switched_off():
+    # Landed (session 16): layer4's 64-thread split fills two waves (16 slices);
+    # VGG-16 conv3_1's direct split sums its 2 slices in a cluster.
+    assert variants() == (16, "cluster", "direct", "cluster")
+    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster")
+    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel")
+    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel")
+    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel")
+
+
+def test_an_unknown_rule_is_refused_with_the_known_ones():
+    out = subprocess.run([sys.executable, "bench/network_ab.py", "resnet50", "--without", "no-such-rule",
+                          "--out", "/dev/null"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown rule 'no-such-rule'" in out.stderr and "two-wave-splits" in out.stderr
