@@ -713,9 +713,9 @@ def summed_in_cluster(shape: ConvShape, split: Tiling) -> Tiling:
       0.5-9 us slower (that one block's warps idle at the barrier and
       through the reads);
     - direct family: cold 1-9 us faster, hot 1-10 us slower; inside the
-      network, where the code is cold, faster (session 16, ABAB runs of
-      bench/network_profile.py at batch 1: the kernels of ResNet-50 -12 us,
-      VGG-16 -18 us);
+      network, where the code is cold, faster (session 16, alternating
+      runs of bench/network_ab.py at batch 1: the kernels of ResNet-50
+      -12 us, VGG-16 -18 us);
     - any family, more clusters than one wave holds (CLUSTER_WAVE_SMS): up
       to 1.4x slower (VGG-16 conv4_2, 64 clusters of 4 against 62).
     At most MAX_CLUSTER_SLICES, the partial tile within shared memory."""
