@@ -68,8 +68,9 @@ def main() -> None:
     sys.argv = ["network_profile.py", args.network, "--batch", str(args.batch), "--out", args.out]
     runpy.run_path(str(Path(__file__).with_name("network_profile.py")), run_name="__main__")
     prof = json.loads(Path(args.out).read_text())[f"batch{args.batch}"]
+    per_conv = {k: round(v, 1) for k, v in prof["in_network_us"].items()}
     print(f"without {'+'.join(off) or 'nothing'}: replay {prof['graph_replay_us']:.1f} us, kernel sum "
-          f"{prof['kernel_sum_us']:.1f} us, per conv {json.dumps({k: round(v, 1) for k, v in prof['in_network_us'].items()})}")
+          f"{prof['kernel_sum_us']:.1f} us, per conv {json.dumps(per_conv)}")
 
 
 if __name__ == "__main__":
