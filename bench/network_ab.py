@@ -61,9 +61,14 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="network_profile.py's JSON")
     args = ap.parse_args()
     off = [name for name in args.without if name]
+    unknown = [name for name in off if name not in RULES]
+    if unknown:
+        ap.error(f"unknown rule {unknown[0]!r}; known: {', '.join(RULES)}")
+    if args.batch < 1:
+        ap.error(f"--batch must be 1 or more, got {args.batch}")
+    if not Path(args.out).resolve().parent.is_dir():  # refused now, not after minutes of compiling
+        ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
     for name in off:
-        if name not in RULES:
-            ap.error(f"unknown rule {name!r}; known: {', '.join(RULES)}")
         RULES[name]()
     sys.argv = ["network_profile.py", args.network, "--batch", str(args.batch), "--out", args.out]
     runpy.run_path(str(Path(__file__).with_name("network_profile.py")), run_name="__main__")

@@ -751,3 +751,19 @@ def test_a_cluster_tiling_over_shared_memory_is_refused_before_building(tmp_path
         sparseconv.compile_conv2d(w, input_size=8, tiling=t, target="sm_90", cache_dir=str(tmp_path / "c"), name="l1")
     assert "l1" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.cubin"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum"),
+    (["--batch", "0"], "--batch must be 1 or more, got 0"),
+    (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
+])
+def test_network_ab_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
+    """bench/network_ab.py: exit 2 with one line naming what to fix, before
+    it imports torch or compiles anything, and no --out file written."""
+    out = tmp_path / "ab.json"
+    argv = ["--out", str(out)] + args if "--out" not in args else args
+    r = subprocess.run([sys.executable, "bench/network_ab.py", "resnet50", *argv],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert r.returncode == 2 and needle in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(needle) and not out.exists()

@@ -37,9 +37,3 @@ def test_the_landed_rules_and_each_switched_off():
     assert variants("direct-cluster") == (16, "cluster", "direct", "kernel")
     assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel")
     assert variants("cluster-sum") == (16, "kernel", "direct", "kernel")
-
-
-def test_an_unknown_rule_is_refused_with_the_known_ones():
-    out = subprocess.run([sys.executable, "bench/network_ab.py", "resnet50", "--without", "no-such-rule",
-                          "--out", "/dev/null"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 2 and "unknown rule 'no-such-rule'" in out.stderr and "two-wave-splits" in out.stderr
