@@ -11,6 +11,9 @@ With --cold each call is also timed with L2 overwritten and x read back
 first, as a layer meets it inside a network (timing.time_cold).
 --epilogue times each candidate with each fused epilogue given (none, relu,
 add+relu: the residual add of a ResNet block's last conv, then ReLU).
+With --sparsity (repeatable) each candidate is built at each given sparsity
+of random weights: at 1 no FMA is left, so the time left is the kernel's
+fixed cost (its loads may then be dead code too; read --sass).
 With --sass nothing runs (no GPU needed): each candidate is built for sm_90
 and its registers, stack and load depth (how many instructions ahead of
 their first use its loads are issued) are read from the cubin with cuobjdump.
@@ -66,7 +69,7 @@ def parse_cand(shape, text: str, batch: int):
 
 def suffix_fields(suffixes) -> dict:
     """The Tiling fields a candidate's suffixes set; ValueError for one that
-    is not :O<level>, :B<blocks per SM>, :Skernel or :Scluster."""
+    is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster or :C<c_block>."""
     fields = {}
     for suffix in suffixes:
         if suffix[:1] == "O" and suffix[1:].isdigit():
@@ -75,8 +78,11 @@ def suffix_fields(suffixes) -> dict:
             fields["min_blocks"] = int(suffix[1:])
         elif suffix in ("Skernel", "Scluster"):
             fields["slice_sum"] = suffix[1:]
+        elif suffix[:1] == "C" and suffix[1:].isdigit():
+            fields["c_block"] = int(suffix[1:])
         else:
-            raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel or :Scluster)")
+            raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster "
+                             f"or :C<c_block>)")
     return fields
 
 
@@ -100,9 +106,9 @@ def max_active_clusters(fn, grid, block, shared_bytes: int) -> int:
     return n.value
 
 
-def layer_weight(seed: int, lname: str, shape) -> np.ndarray:
-    """90% of normal weights zeroed at random, drawn from (seed, layer name)."""
-    return pruned_weight(np.random.default_rng([seed, zlib.crc32(lname.encode())]), shape.weight_shape, 0.9)
+def layer_weight(seed: int, lname: str, shape, sparsity: float = 0.9) -> np.ndarray:
+    """Normal weights, a `sparsity` fraction zeroed at random, drawn from (seed, layer name)."""
+    return pruned_weight(np.random.default_rng([seed, zlib.crc32(lname.encode())]), shape.weight_shape, sparsity)
 
 
 # SASS opcodes whose first operand is read, not written
@@ -157,7 +163,7 @@ def main() -> None:
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
                     help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level>, "
-                         ":B<blocks per SM> and :Skernel/:Scluster, comma-separated")
+                         ":B<blocks per SM>, :Skernel/:Scluster and :C<c_block>, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")
@@ -166,6 +172,9 @@ def main() -> None:
                          "zoo: the weights bench --model times (zoo.pruned_model, He-initialised, "
                          "magnitude-pruned to 90%%, seed 0)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ap.add_argument("--sparsity", type=float, action="append", default=[],
+                    help="random weights only: zeroed fraction (repeatable, default 0.9); 1 keeps no FMA, "
+                         "so what is left is the kernel's fixed cost")
     ap.add_argument("--sass", action="store_true",
                     help="no GPU: print each build's registers, stack and median load depth (cuobjdump)")
     ap.add_argument("--out", default="split_probe.json")
@@ -173,6 +182,10 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="also time each call with L2 overwritten first and x read back (as inside a network)")
     args = ap.parse_args()
+    if args.sparsity and args.weights == "zoo":
+        ap.error("--sparsity draws random weights; it does not apply to --weights zoo")
+    if not all(0 <= v <= 1 for v in args.sparsity):
+        ap.error(f"--sparsity must lie in [0, 1], got {args.sparsity}")
     nets = {"resnet50": dict(resnet50()), "vgg16": dict(vgg16())}
     epilogues = {"none": Epilogue(), "relu": Epilogue("relu"), "add+relu": Epilogue("relu", residual=True)}
     chosen = args.epilogue.split(",")
@@ -190,29 +203,32 @@ def main() -> None:
     for lname in args.layers.split(","):
         net, name = lname.split(":")
         shape = nets[net][name]
-        w = zoo[net][name] if zoo else layer_weight(args.seed, lname, shape)
-        for c in args.cands.split(","):
-            try:
-                t = parse_cand(shape, c, args.batch)
-                check_tiling(shape, t)
-            except ValueError as e:
-                print(f"skip {lname} {c}: {e}", file=sys.stderr)
-                continue
-            for e in chosen:
-                key = f"{lname}|{t.describe()}|{e}"
-                if key not in {j.name for j in jobs}:
-                    jobs.append(LayerJob(key, w, shape, t, epilogues[e]))
-                    plan.append((lname, c if e == "none" else f"{c} {e}", shape, key))
+        for sparsity in (args.sparsity or [None]):
+            w = zoo[net][name] if zoo else layer_weight(args.seed, lname, shape, 0.9 if sparsity is None else sparsity)
+            for c in args.cands.split(","):
+                try:
+                    t = parse_cand(shape, c, args.batch)
+                    check_tiling(shape, t)
+                except ValueError as e:
+                    print(f"skip {lname} {c}: {e}", file=sys.stderr)
+                    continue
+                label = c if sparsity is None else f"{c} s{sparsity:g}"
+                for e in chosen:
+                    key = f"{lname}|{t.describe()}|{e}|{sparsity}"
+                    if key not in {j.name for j in jobs}:
+                        jobs.append(LayerJob(key, w, shape, t, epilogues[e]))
+                        plan.append((lname, label if e == "none" else f"{label} {e}", shape, key, sparsity))
     t0 = time.time()
     built = build_many(jobs, target=Target("sm_90"), progress=True)
     print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     rows = []
     if args.sass:
-        for lname, c, shape, key in plan:
+        for lname, c, shape, key, sparsity in plan:
             layer = built[key]
             if layer.artifact_suffix != ".cubin":
                 sys.exit("--sass needs ptxas on PATH (the build made PTX, not a cubin)")
-            rows.append(dict(layer=lname, cand=c, tiling=layer.tiling.describe(), **cubin_stats(layer.artifact)))
+            rows.append(dict(layer=lname, cand=c, sparsity=sparsity, tiling=layer.tiling.describe(),
+                             **cubin_stats(layer.artifact)))
             r = rows[-1]
             print(f"{lname:26s} {c:16s} {layer.tiling.describe():64s} registers {r['registers']:3d} "
                   f"stack {r['stack_bytes']:3d} B  loads ahead of use: median {r['median_load_depth']} "
@@ -222,7 +238,7 @@ def main() -> None:
     import cupy
     n = args.batch
     flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
-    for lname, c, shape, key in plan:
+    for lname, c, shape, key, sparsity in plan:
         layer = built[key]
         x = cupy.asarray(rng.standard_normal((n, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
         out = cupy.empty((n, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
@@ -245,7 +261,7 @@ def main() -> None:
                 k(x, out=out, residual=res)
             cupy.cuda.Device().synchronize()
             continue
-        row = dict(layer=lname, cand=c, epilogue=layer.epilogue.describe(), shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
+        row = dict(layer=lname, cand=c, sparsity=sparsity, epilogue=layer.epilogue.describe(), shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
                    grid=list(layer.grid(n)), threads=layer.tiling.threads,
                    cubin_bytes=layer.stats.get("artifact_bytes"),
                    registers=fn.attributes["num_regs"] if hasattr(fn, "attributes") else None,

@@ -767,3 +767,20 @@ def test_network_ab_refuses_bad_arguments_before_any_work(args, needle, tmp_path
                        cwd=Path(__file__).parent.parent, capture_output=True, text=True)
     assert r.returncode == 2 and needle in r.stderr
     assert r.stderr.strip().splitlines()[-1].endswith(needle) and not out.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--weights", "zoo", "--sparsity", "0.95"], "--sparsity draws random weights; it does not apply to --weights zoo"),
+    (["--sparsity", "1.5"], "--sparsity must lie in [0, 1], got [1.5]"),
+    (["--cands", "default:Cx"], "--cands default:Cx: unknown suffix :Cx"),
+])
+def test_split_probe_refuses_bad_arguments_before_any_build(args, needle, tmp_path):
+    """bench/split_probe.py: exit 2 with one line naming what to fix, before
+    any kernel is built, and no --out file written."""
+    out = tmp_path / "probe.json"
+    r = subprocess.run([sys.executable, "bench/split_probe.py", "--layers", "resnet50:layer4.1.conv1", "--sass",
+                        "--out", str(out), *args],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2 and needle in r.stderr and "built" not in r.stderr
+    assert not out.exists()

@@ -51,3 +51,21 @@ def test_a_misspelt_candidate_suffix_is_a_usage_error_before_any_build(tmp_path)
     assert "--cands default:Sbogus: unknown suffix :Sbogus" in r.stderr and "built" not in r.stderr
     assert not out.exists()
     assert split_probe.suffix_fields(["O1", "B2", "Scluster"]) == dict(ptxas_level=1, min_blocks=2, slice_sum="cluster")
+
+
+def test_c_block_suffix_sets_the_chunk_width_of_either_family():
+    shapes = dict(vgg16())
+    assert split_probe.suffix_fields(["C8"]) == dict(c_block=8)
+    direct = split_probe.parse_cand(shapes["conv4_2"], "direct:C4", 1)
+    assert direct.family == "direct" and direct.c_block == 4
+    assert direct.slices == split_probe.parse_cand(shapes["conv4_2"], "direct", 1).slices  # only c_block moves
+    assert split_probe.parse_cand(shapes["conv5_2"], "32x224x8:C16", 1).c_block == 16
+
+
+def test_sparsity_one_leaves_no_weight_and_the_draw_stays_per_layer():
+    shapes = dict(vgg16())
+    assert not split_probe.layer_weight(0, "vgg16:conv4_2", shapes["conv4_2"], 1.0).any()
+    dense = split_probe.layer_weight(0, "vgg16:conv4_2", shapes["conv4_2"], 0.0)
+    assert (dense != 0).all()
+    half = split_probe.layer_weight(0, "vgg16:conv4_2", shapes["conv4_2"], 0.5)
+    assert 0.45 < (half == 0).mean() < 0.55
