@@ -19,6 +19,9 @@ Rules (each was measured this way before it landed):
                     (shapes.summed_in_cluster), not by the reduction kernel
   cluster-sum       any slices summed in a cluster (session 15): with it off,
                     every split adds its slices in the reduction kernel
+  wide-direct-chunks  direct-family splits of 256+ input channels stage 4
+                    channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
+                    not 2
 """
 from __future__ import annotations
 
@@ -48,8 +51,12 @@ def without_cluster_sum() -> None:
     shapes.summed_in_cluster = lambda shape, split: split
 
 
+def without_wide_direct_chunks() -> None:
+    shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS = 1 << 30
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
-         "cluster-sum": without_cluster_sum}
+         "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks}
 
 
 def main() -> None:

@@ -675,6 +675,15 @@ COLD_SPLIT_MAX_PIXELS = 1024
 # gained no more. Blocks of 224 threads given 2 an SM by a register cap lost
 # (layer3.1.conv3 8.8 -> 11.2 us), as did two waves one after the other.
 COLD_SPLIT_TWO_WAVE_MAX_THREADS = 64
+# Direct-family splits of convs with at least this many input channels stage
+# SPLIT_DIRECT_WIDE_C_BLOCK channels a chunk, not 2: half the chunks, each with
+# its loads, barrier and switch of code. Measured cold at batch 1 (session 17,
+# bench/split_probe.py --cold --weights zoo, :C4): VGG-16 conv3_2 58.5 -> 54.0
+# us, conv4_2 67.6 -> 63.1, conv4_1 38.4 -> 37.8; on ResNet-50's 64- and
+# 128-channel layers it lost (layer2.0.conv2 16.8 -> 20.2), and 8 channels a
+# chunk gained less than 4 on every layer.
+SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS = 256
+SPLIT_DIRECT_WIDE_C_BLOCK = 4
 
 
 def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
@@ -776,7 +785,22 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     # batch 1 (bench/split_probe.py): 1x1 layers 1.6-2.4x faster; deep 3x3
     # even, and at batch 64 (many warps) -O1 is 0-15% slower.
     level = 1 if tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) == (1, 1) else tiling.ptxas_level
-    return summed_in_cluster(shape, replace(tiling, slices=slices, ptxas_level=level))
+    split = replace(tiling, slices=slices, ptxas_level=level)
+    if tiling.family == "direct" and shape.c_per_group >= SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS:
+        split = widest_fitting_chunk(shape, split, SPLIT_DIRECT_WIDE_C_BLOCK)
+    return summed_in_cluster(shape, split)
+
+
+def widest_fitting_chunk(shape: ConvShape, tiling: Tiling, c_block: int) -> Tiling:
+    """`tiling` with c_block raised to `c_block` where the body bound and shared
+    memory allow (halving it until they do), else unchanged."""
+    while c_block > tiling.c_block:
+        wider = replace(tiling, c_block=min(c_block, shape.c_per_group))
+        body = wider.k_block * wider.c_block * shape.kernel_h * shape.kernel_w
+        if body <= MAX_BODY_WEIGHTS * 4 and patch_buffer_bytes(shape, wider) <= MAX_PATCH_BYTES:
+            return wider
+        c_block //= 2
+    return tiling
 
 
 # The split variant serves at most this batch size: measured better at batch

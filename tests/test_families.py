@@ -12,7 +12,9 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_
                                blocks_per_image, candidate_tilings, check_tiling, default_direct_tiling, default_tiling,
                                launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
                                patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
-from sparseconv.shapes import CLUSTER_WAVE_SMS, register_resident_blocks, variant_for_batch
+from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
+                               SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, register_resident_blocks, variant_for_batch,
+                               widest_fitting_chunk)
 from sparseconv.zoo import resnet50, vgg16
 
 
@@ -325,3 +327,25 @@ def test_a_cluster_sum_falls_back_to_the_reduction_kernel_before_sm_90(tmp_path)
     new = build_conv2d(w, shape, tiling=t, target=Target("sm_90"), cache=ArtifactCache(tmp_path))
     assert new.tiling == t and "summed in a cluster" in new.stats["tiling"]
     assert new.shared_bytes == 8 * 32 * 4 and old.shared_bytes == 0  # the partial tile: k_block x threads floats
+
+
+def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
+    """SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS: VGG-16's 256+-channel direct splits
+    stage 4 channels a chunk; ResNet-50's 64- and 128-channel ones keep 2, as
+    does any unsplit direct tiling; a chunk too wide for shared memory is halved."""
+    vgg, r50 = dict(vgg16()), dict(resnet50())
+    for name in ("conv3_2", "conv3_3", "conv4_1", "conv4_2", "conv4_3"):
+        split = variant_for_batch(vgg[name], 1)
+        assert vgg[name].c_per_group >= SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS
+        assert split.family == "direct" and split.slices >= 2 and split.c_block == SPLIT_DIRECT_WIDE_C_BLOCK
+        check_tiling(vgg[name], split)  # raises where the body or the shared memory is over its bound
+        assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
+    for shape in (vgg["conv3_1"], r50["layer1.1.conv2"], r50["layer2.0.conv2"], r50["layer2.1.conv2"]):
+        split = variant_for_batch(shape, 1)
+        assert split.family == "direct" and split.c_block == 2
+    # a tile whose 4-channel patch overflows shared memory falls back to 2 channels
+    strided = r50["layer2.0.conv2"]
+    split = variant_for_batch(strided, 1)
+    assert patch_buffer_bytes(strided, replace(split, c_block=8)) > MAX_PATCH_BYTES
+    assert widest_fitting_chunk(strided, split, 8).c_block == 4
+    assert widest_fitting_chunk(strided, split, 2) == split
