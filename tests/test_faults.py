@@ -784,3 +784,12 @@ def test_split_probe_refuses_bad_arguments_before_any_build(args, needle, tmp_pa
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert r.returncode == 2 and needle in r.stderr and "built" not in r.stderr
     assert not out.exists()
+
+
+def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
+    """bench/layer_chain_probe.py: a chain needs a boundary to time; exit 2
+    with one line, whether or not a GPU is present."""
+    r = subprocess.run([sys.executable, "bench/layer_chain_probe.py", "--layers", "1"],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--layers must be 2 or more, got 1")
