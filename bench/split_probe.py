@@ -261,7 +261,8 @@ def main() -> None:
                 k(x, out=out, residual=res)
             cupy.cuda.Device().synchronize()
             continue
-        row = dict(layer=lname, cand=c, sparsity=sparsity, epilogue=layer.epilogue.describe(), shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
+        row = dict(layer=lname, cand=c, sparsity=sparsity, epilogue=layer.epilogue.describe(),
+                   shape=shape.describe(), batch=n, tiling=layer.tiling.describe(),
                    grid=list(layer.grid(n)), threads=layer.tiling.threads,
                    cubin_bytes=layer.stats.get("artifact_bytes"),
                    registers=fn.attributes["num_regs"] if hasattr(fn, "attributes") else None,

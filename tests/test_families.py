@@ -332,7 +332,7 @@ def test_a_cluster_sum_falls_back_to_the_reduction_kernel_before_sm_90(tmp_path)
 def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
     """SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS: VGG-16's 256+-channel direct splits
     stage 4 channels a chunk; ResNet-50's 64- and 128-channel ones keep 2, as
-    does any unsplit direct tiling; a chunk too wide for shared memory is halved."""
+    do unsplit direct tilings; a chunk too wide for shared memory is halved."""
     vgg, r50 = dict(vgg16()), dict(resnet50())
     for name in ("conv3_2", "conv3_3", "conv4_1", "conv4_2", "conv4_3"):
         split = variant_for_batch(vgg[name], 1)
@@ -340,6 +340,7 @@ def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
         assert split.family == "direct" and split.slices >= 2 and split.c_block == SPLIT_DIRECT_WIDE_C_BLOCK
         check_tiling(vgg[name], split)  # raises where the body or the shared memory is over its bound
         assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
+        assert default_direct_tiling(vgg[name]).c_block == 2
     for shape in (vgg["conv3_1"], r50["layer1.1.conv2"], r50["layer2.0.conv2"], r50["layer2.1.conv2"]):
         split = variant_for_batch(shape, 1)
         assert split.family == "direct" and split.c_block == 2

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +57,10 @@ def test_a_misspelt_candidate_suffix_is_a_usage_error_before_any_build(tmp_path)
 def test_c_block_suffix_sets_the_chunk_width_of_either_family():
     shapes = dict(vgg16())
     assert split_probe.suffix_fields(["C8"]) == dict(c_block=8)
-    direct = split_probe.parse_cand(shapes["conv4_2"], "direct:C4", 1)
-    assert direct.family == "direct" and direct.c_block == 4
-    assert direct.slices == split_probe.parse_cand(shapes["conv4_2"], "direct", 1).slices  # only c_block moves
+    default = split_probe.parse_cand(shapes["conv4_2"], "direct", 1)
+    direct = split_probe.parse_cand(shapes["conv4_2"], "direct:C8", 1)
+    assert direct.family == "direct" and direct.c_block == 8 != default.c_block
+    assert direct == replace(default, c_block=8)  # only c_block moves
     assert split_probe.parse_cand(shapes["conv5_2"], "32x224x8:C16", 1).c_block == 16
 
 
