@@ -42,6 +42,9 @@ FAMILY_LAYERS = {
     "family-pointwise-capped": ConvShape(128, 512, 7, 7, 1, 1),
     # batch 1: 8 slices summed inside thread-block clusters (distributed shared memory)
     "family-pointwise-cluster": ConvShape(2048, 512, 7, 7, 1, 1),
+    # batch 1: a direct split of 256 input channels, 4 staged a chunk
+    # (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices summed in a cluster
+    "family-direct-wide-chunk": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
 }
 
 

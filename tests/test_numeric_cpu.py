@@ -232,6 +232,10 @@ FAMILY_LAYERS = {
     "direct_cluster_two_chunks": (ConvShape(8, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                                   Tiling(4, 2, 4, 7, 1, 1, slices=2, slice_sum="cluster"),
                                   Epilogue("relu", residual=True)),
+    # 4 channels staged a chunk (shapes.SPLIT_DIRECT_WIDE_C_BLOCK): 10 channels
+    # make a last chunk half past the channels, its staged loads masked to zero
+    "direct_cluster_wide_chunk_partial": (ConvShape(10, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
+                                          Tiling(4, 4, 4, 7, 1, 1, slices=2, slice_sum="cluster"), Epilogue("relu")),
 }
 
 
