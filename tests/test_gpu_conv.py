@@ -193,6 +193,8 @@ FAMILY_LAYERS = {
     "wide_strided_14_to_7": (512, 512, 14, 14, 3, 3, (2, 2), (1, 1)),
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
     "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
+    # its split variant direct with 4 channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS)
+    "mixed_28x28_wide_chunk": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
 }
 
@@ -217,6 +219,7 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     assert conv.layer.tiling.family == ("direct" if name.startswith("direct") else "pointwise")
     if name.startswith("mixed"):  # measured faster split on the direct family (shapes.SMALL_BATCH_POINTWISE_OUTPUT)
         assert conv.variant(1)[1].tiling.family == "direct"
+        assert conv.variant(1)[1].tiling.c_block == (4 if name.endswith("wide_chunk") else 2)
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:
@@ -224,7 +227,7 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     if name == "pointwise_grouped_13x13":  # the batch-33 run had a block past the batch in its last group
         gx, _, gz = conv.variant(33)[1].grid(33)
         assert gz > 1 and gx * gz > pixel_blocks(s, conv.variant(33)[1].tiling, 33)
-    if "deep" in name or name in ("mixed_28x28", "mixed_56x56", "direct_56x56"):
+    if "deep" in name or name.startswith("mixed") or name == "direct_56x56":
         assert variants and variants[0]["up_to_batch"] >= 1, "a deep small layer gets a split variant"
 
 
