@@ -63,7 +63,6 @@ def test_exported_families_are_captured_and_replay_like_eager(tmp_path, family):
     and Concat: each captured whole, and replays equal to the eager run."""
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
-    import cupy as cp
     from onnx_families import export, inputs, onnxruntime_outputs
 
     from sparseconv.runner import compile_model
