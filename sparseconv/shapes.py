@@ -792,13 +792,17 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
 
 
 def widest_fitting_chunk(shape: ConvShape, tiling: Tiling, c_block: int) -> Tiling:
-    """`tiling` with c_block raised to `c_block` where the body bound and shared
-    memory allow (halving it until they do), else unchanged."""
+    """`tiling` with c_block raised to `c_block` where check_tiling and the
+    staging bound of tiling_for (MAX_STAGE_STEPS) allow it, halving it until
+    they do; unchanged where no wider chunk fits."""
     while c_block > tiling.c_block:
         wider = replace(tiling, c_block=min(c_block, shape.c_per_group))
-        body = wider.k_block * wider.c_block * shape.kernel_h * shape.kernel_w
-        if body <= MAX_BODY_WEIGHTS * 4 and patch_buffer_bytes(shape, wider) <= MAX_PATCH_BYTES:
-            return wider
+        try:
+            check_tiling(shape, wider)
+            if stage_steps(shape, wider) <= MAX_STAGE_STEPS:
+                return wider
+        except ValueError:
+            pass
         c_block //= 2
     return tiling
 
