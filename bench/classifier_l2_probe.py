@@ -9,6 +9,7 @@ without the classifier, the convs would run faster there.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -24,6 +25,7 @@ spec.loader.exec_module(network_profile)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: refuse stray ones
     dev = torch.device("cuda")
     x = torch.randn(1, 3, 224, 224, device=dev)
     print(f"device: {torch.cuda.get_device_name()}")

@@ -12,6 +12,7 @@ here is what any kernel of that shape pays (docs/PERFORMANCE.md, session 17).
 """
 from __future__ import annotations
 
+import argparse
 import cupy
 import numpy as np
 
@@ -39,6 +40,7 @@ extern "C" __global__ void load_64_store_32(const float* x, float* out, int pixe
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # no options: refuse stray ones
     module = cupy.RawModule(code=SOURCE)
     flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
     out = cupy.zeros(1 << 22, cupy.float32)

@@ -794,3 +794,12 @@ def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
                        cwd=Path(__file__).parent.parent, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--layers must be 2 or more, got 1")
+
+
+@pytest.mark.parametrize("script", ["bench/kernel_floor.py", "bench/classifier_l2_probe.py"])
+def test_option_free_probes_refuse_stray_arguments(script):
+    """The probes that take no options exit 2 on one, before any GPU work."""
+    r = subprocess.run([sys.executable, script, "--layers", "8"], cwd=Path(__file__).parent.parent,
+                       capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2 and "unrecognized arguments: --layers 8" in r.stderr.strip().splitlines()[-1]
