@@ -796,6 +796,32 @@ def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--layers must be 2 or more, got 1")
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--sizes-kb", "8,a"], "--sizes-kb: comma-separated numbers of KB, got '8,a'"),
+    (["--sizes-kb", "0"], "--sizes-kb: sizes above 0, got '0'"),
+    (["--threads", "33"], "--threads 33: a multiple of 32 from 32 to 1024"),
+    (["--passes", "1"], "--passes 1: at least 2 (one pass is the baseline)"),
+    (["--blocks", "0"], "--blocks and --repeat: 1 or more"),
+])
+def test_icache_probe_refuses_bad_options_before_touching_the_gpu(args, needle):
+    """bench/icache_probe.py: one line, exit 2, nothing assembled or run."""
+    r = subprocess.run([sys.executable, "bench/icache_probe.py", *args], cwd=Path(__file__).parent.parent,
+                       capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
+
+
+@pytest.mark.parametrize("args", [["--blocks-per-sm", "0"], ["--threads", "100"], ["--waves", "0"], ["--spin-us", "0"]])
+def test_dispatch_probe_refuses_bad_options_before_touching_the_gpu(args):
+    """bench/dispatch_probe.py: one line naming every bound, exit 2."""
+    r = subprocess.run([sys.executable, "bench/dispatch_probe.py", *args], cwd=Path(__file__).parent.parent,
+                       capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("--blocks-per-sm 1..32, --waves >= 1, --threads a multiple of 32 "
+                                                      "in 32..1024, --spin-us > 0")
+
+
 @pytest.mark.parametrize("script", ["bench/kernel_floor.py", "bench/classifier_l2_probe.py"])
 def test_option_free_probes_refuse_stray_arguments(script):
     """The probes that take no options exit 2 on one, before any GPU work."""
