@@ -44,7 +44,9 @@ FAMILY_LAYERS = {
     "family-pointwise-cluster": ConvShape(2048, 512, 7, 7, 1, 1),
     # batch 1: a direct split of 256 input channels, 4 staged a chunk
     # (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices summed in a cluster
-    "family-direct-wide-chunk": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
+    "family-direct-wide-chunk": ConvShape(256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # split at batch 1 as one 800-thread pointwise block over the image (shapes.whole_image_split)
+    "family-pointwise-whole-image": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
 }
 
 

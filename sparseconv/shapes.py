@@ -744,12 +744,50 @@ def register_resident_blocks(tiling: Tiling) -> int:
     return 65536 // (32 * math.ceil(tiling.threads / 32) * tiling.max_registers)
 
 
+# Small-batch splits of deep k x k convs (256+ input channels, stride 1)
+# whose image is one block's worth of pixels, more than
+# SMALL_BATCH_POINTWISE_OUTPUT (VGG-16's 28x28 conv4_x), where the layer's
+# tiling is on the pointwise family (their default): one pointwise block over
+# the whole image, WHOLE_IMAGE_SPLIT_K_BLOCK output
+# channels and WHOLE_IMAGE_SPLIT_SLICES input-channel slices a block. The
+# direct family's split tiles the image into 4 blocks, and each of the 4
+# streams the same code; one block streams it once. An SM keeps only ~16 KB
+# of code (bench/icache_probe.py), so each block fetches all of its own.
+# Measured on the H100, batch 1, cold (bench/split_probe.py, session 18):
+# VGG-16 conv4_1 38.3 -> 31.5 us, conv4_2 62.9 -> 47.0; with 8 slices or
+# k_block 32 they lost, and so did ResNet-50's 128-channel layer2.1.conv2
+# (13.8 -> 14.6-16.7), hence the channel floor.
+WHOLE_IMAGE_SPLIT_MIN_CHANNELS = 256
+WHOLE_IMAGE_SPLIT_MAX_PIXELS = 1024  # threads a block
+WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES = 16, 4, 4
+
+
+def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
+    """The small-batch variant described at WHOLE_IMAGE_SPLIT_MIN_CHANNELS,
+    or None where the rule does not apply to `shape`."""
+    pixels = shape.out_h * shape.out_w
+    if ((shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1
+            or shape.c_per_group < WHOLE_IMAGE_SPLIT_MIN_CHANNELS
+            or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS):
+        return None
+    threads = -(-pixels // 32) * 32
+    tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads),
+                     c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=WHOLE_IMAGE_SPLIT_SLICES)
+    try:
+        check_tiling(shape, tiling)
+    except ValueError:
+        return None
+    return tiling
+
+
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
     GPU or the reduction is too short to split. A deep conv larger than 1x1
     with more than SMALL_BATCH_POINTWISE_OUTPUT pixels is split on the direct
-    family whatever family `tiling` is. Pointwise-family convs with
+    family whatever family `tiling` is, except that a pointwise `tiling` of
+    whole_image_split's class takes that (checked first; a direct `tiling`
+    keeps the direct split, for comparisons). Pointwise-family convs with
     images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear layers, whose image
     is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
@@ -757,6 +795,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
+    whole = whole_image_split(shape) if tiling.family == "pointwise" else None
+    if whole is not None:
+        return whole
     if (tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1)
             and shape.out_h * shape.out_w > SMALL_BATCH_POINTWISE_OUTPUT):
         tiling = default_direct_tiling(shape)  # measured faster split (SMALL_BATCH_POINTWISE_OUTPUT)

@@ -13,7 +13,10 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_
                                launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
                                patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
 from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
-                               SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, register_resident_blocks, variant_for_batch,
+                               SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
+                               WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
+                               register_resident_blocks,
+                               summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
 from sparseconv.zoo import resnet50, vgg16
 
@@ -73,9 +76,13 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
             assert split.family == "pointwise" and split.slices >= 8
             assert ONE_WAVE * waves // 2 < math.prod(launch_grid(shape, split, 1)) <= ONE_WAVE * waves
             assert register_resident_blocks(split) >= waves
-        else:  # 28x28: the direct family's split measured faster at batch 1
-            assert split == split_tiling(shape, default_direct_tiling(shape))
-            assert split.family == "direct" and split.slices >= 2
+        else:  # 28x28: the direct family's split measured faster at batch 1, below 256 channels
+            direct = split_tiling(shape, default_direct_tiling(shape))
+            assert direct.family == "direct" and direct.slices >= 2
+            if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS and shape.stride == (1, 1):
+                assert split == whole_image_split(shape)  # one pointwise block over the image
+            else:
+                assert split == direct
     for shape in (ConvShape(32, 32, 56, 56, 3, 3, (1, 1), (1, 1)), ConvShape(3, 64, 14, 14, 3, 3, (1, 1), (1, 1)),
                   ConvShape(64, 64, 14, 14, 5, 5, (1, 1), (2, 2))):
         assert default_tiling(shape).family == "direct"
@@ -303,9 +310,11 @@ def test_slices_summed_in_a_cluster_where_measured_faster():
         t = split(r50[name])
         assert t.slices > 2 and register_resident_blocks(t) == 1 and t.slice_sum == "kernel", name
     assert split(r50["layer2.1.conv2"]).family == "direct" and split(r50["layer2.1.conv2"]).slice_sum == "cluster"
-    # 64 clusters of 4 direct blocks: more than one wave holds (62 at 2 blocks an SM)
-    assert split(vgg["conv4_2"]).slice_sum == "kernel"
-    assert math.ceil(blocks_per_image(vgg["conv4_2"], split(vgg["conv4_2"]))) > CLUSTER_WAVE_SMS[4] * 2
+    # 64 clusters of 4 direct blocks: more than one wave holds (62 at 2 blocks an SM). VGG-16
+    # conv4_2's direct split as it was before whole_image_split took its batch-1 variant:
+    direct = replace(default_direct_tiling(vgg["conv4_2"]), slices=4)
+    assert summed_in_cluster(vgg["conv4_2"], direct).slice_sum == "kernel"
+    assert math.ceil(blocks_per_image(vgg["conv4_2"], direct)) > CLUSTER_WAVE_SMS[4] * 2
     assert register_resident_blocks(Tiling(32, 64, 1, 64, family="pointwise")) == 4  # 64 threads, 255 registers
 
 
@@ -329,12 +338,37 @@ def test_a_cluster_sum_falls_back_to_the_reduction_kernel_before_sm_90(tmp_path)
     assert new.shared_bytes == 8 * 32 * 4 and old.shared_bytes == 0  # the partial tile: k_block x threads floats
 
 
+def test_deep_28x28_convs_split_as_one_block_over_the_image():
+    """whole_image_split: VGG-16's conv4_x (256+ channels, 3x3, 28x28) split
+    on the pointwise family, one 800-thread block over the 784 pixels, 16
+    channels and 4 slices a block, from their default (pointwise) tiling; a
+    direct tiling keeps the direct split. Not the 56x56 layers, not
+    ResNet-50's 128-channel layer2.x.conv2, not a 1x1, a strided or a
+    grouped conv."""
+    vgg, r50 = dict(vgg16()), dict(resnet50())
+    for name in ("conv4_1", "conv4_2", "conv4_3"):
+        split = variant_for_batch(vgg[name], 1)
+        assert split == whole_image_split(vgg[name])
+        assert (split.family, split.threads, split.k_block, split.c_block, split.slices, split.slice_sum) == \
+            ("pointwise", 800, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES, "kernel")
+        check_tiling(vgg[name], split)
+        assert default_tiling(vgg[name]).family == "pointwise"
+        assert split_tiling(vgg[name], default_direct_tiling(vgg[name])).family == "direct"
+        assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
+    for shape in (vgg["conv3_2"], vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"], r50["layer3.1.conv1"]):
+        assert whole_image_split(shape) is None
+    deep = vgg["conv4_2"]
+    assert whole_image_split(replace(deep, groups=2)) is None
+    assert whole_image_split(replace(deep, in_h=33, in_w=33)) is None  # 1,089 pixels: more than a block
+    assert whole_image_split(replace(deep, in_h=14, in_w=14)) is None  # 196: SMALL_BATCH_POINTWISE_OUTPUT
+
+
 def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
     """SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS: VGG-16's 256+-channel direct splits
     stage 4 channels a chunk; ResNet-50's 64- and 128-channel ones keep 2, as
     do unsplit direct tilings; a chunk too wide for shared memory is halved."""
     vgg, r50 = dict(vgg16()), dict(resnet50())
-    for name in ("conv3_2", "conv3_3", "conv4_1", "conv4_2", "conv4_3"):
+    for name in ("conv3_2", "conv3_3"):  # conv4_x: whole_image_split
         split = variant_for_batch(vgg[name], 1)
         assert vgg[name].c_per_group >= SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS
         assert split.family == "direct" and split.slices >= 2 and split.c_block == SPLIT_DIRECT_WIDE_C_BLOCK

@@ -194,7 +194,9 @@ FAMILY_LAYERS = {
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
     "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
     # its split variant direct with 4 channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS)
-    "mixed_28x28_wide_chunk": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
+    "mixed_56x56_wide_chunk": (256, 64, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # its split variant one 800-thread pointwise block over the image (shapes.whole_image_split)
+    "deep_28x28_whole_image": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
 }
 
@@ -220,6 +222,10 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     if name.startswith("mixed"):  # measured faster split on the direct family (shapes.SMALL_BATCH_POINTWISE_OUTPUT)
         assert conv.variant(1)[1].tiling.family == "direct"
         assert conv.variant(1)[1].tiling.c_block == (4 if name.endswith("wide_chunk") else 2)
+    if name.endswith("whole_image"):
+        from sparseconv.shapes import whole_image_split
+
+        assert conv.variant(1)[1].tiling == whole_image_split(s) and whole_image_split(s).threads == 800
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:

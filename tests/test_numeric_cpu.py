@@ -229,6 +229,10 @@ FAMILY_LAYERS = {
     # two chunks a slice, so that a k-block can be cut into pieces (below)
     "pw_cluster_two_chunks": (ConvShape(16, 8, 3, 3, 1, 1), _pointwise(8, 4, 1, 32, 2, "cluster"),
                               Epilogue("relu", residual=True)),
+    # shapes.whole_image_split in miniature: one block over the whole 5x6
+    # image (30 pixels, 32 threads), a 3x3 with padding, 4 slices of 2 channels
+    "pw3x3_whole_image_split": (ConvShape(8, 6, 5, 6, 3, 3, (1, 1), (1, 1)), _pointwise(4, 2, 1, 32, 4),
+                                Epilogue("relu")),
     "direct_cluster_two_chunks": (ConvShape(8, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                                   Tiling(4, 2, 4, 7, 1, 1, slices=2, slice_sum="cluster"),
                                   Epilogue("relu", residual=True)),
