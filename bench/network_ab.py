@@ -22,6 +22,9 @@ Rules (each was measured this way before it landed):
   wide-direct-chunks  direct-family splits of 256+ input channels stage 4
                     channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
                     not 2
+  whole-image-split  deep 28x28-class k x k convs split on the pointwise
+                    family, one block over the whole image
+                    (shapes.whole_image_split), not on the direct family
 """
 from __future__ import annotations
 
@@ -55,8 +58,13 @@ def without_wide_direct_chunks() -> None:
     shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS = 1 << 30
 
 
+def without_whole_image_split() -> None:
+    shapes.whole_image_split = lambda shape: None  # looked up at call time by split_tiling
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
-         "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks}
+         "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
+         "whole-image-split": without_whole_image_split}
 
 
 def main() -> None:

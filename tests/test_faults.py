@@ -755,7 +755,7 @@ def test_a_cluster_tiling_over_shared_memory_is_refused_before_building(tmp_path
 
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
-     "wide-direct-chunks"),
+     "wide-direct-chunks, whole-image-split"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])

@@ -18,25 +18,28 @@ from sparseconv.zoo import resnet50, vgg16
 r50, vgg = dict(resnet50()), dict(vgg16())
 t = variant_for_batch(r50["layer4.1.conv1"], 1)
 d = variant_for_batch(vgg["conv3_1"], 1)
-w = variant_for_batch(vgg["conv4_2"], 1)
-print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block)
+w = variant_for_batch(vgg["conv3_2"], 1)
+i = variant_for_batch(vgg["conv4_2"], 1)
+print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block, i.family)
 """
 
 
 def variants(*without):
     out = subprocess.run([sys.executable, "-c", PROBE, *without], cwd=ROOT, capture_output=True, text=True,
                          check=True)
-    slices, pointwise_sum, family, direct_sum, c_block = out.stdout.split()
-    return int(slices), pointwise_sum, family, direct_sum, int(c_block)
+    slices, pointwise_sum, family, direct_sum, c_block, whole = out.stdout.split()
+    return int(slices), pointwise_sum, family, direct_sum, int(c_block), whole
 
 
 def test_the_landed_rules_and_each_switched_off():
     # Landed (session 16): layer4's 64-thread split fills two waves (16 slices);
     # VGG-16 conv3_1's direct split sums its 2 slices in a cluster. Session 17:
-    # conv4_2's direct split (512 channels) stages 4 channels a chunk.
-    assert variants() == (16, "cluster", "direct", "cluster", 4)
-    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4)
-    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4)
-    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4)
-    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4)
-    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2)
+    # conv3_2's direct split (256 channels) stages 4 channels a chunk.
+    # Session 18: conv4_2 (28x28) splits as one pointwise block over the image.
+    assert variants() == (16, "cluster", "direct", "cluster", 4, "pointwise")
+    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, "pointwise")
+    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4, "pointwise")
+    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4, "pointwise")
+    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, "pointwise")
+    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, "pointwise")
+    assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, "direct")
