@@ -748,11 +748,11 @@ def register_resident_blocks(tiling: Tiling) -> int:
 # whose image is one block's worth of pixels, more than
 # SMALL_BATCH_POINTWISE_OUTPUT (VGG-16's 28x28 conv4_x), where the layer's
 # tiling is on the pointwise family (their default): one pointwise block over
-# the whole image, WHOLE_IMAGE_SPLIT_K_BLOCK output
-# channels and WHOLE_IMAGE_SPLIT_SLICES input-channel slices a block. The
-# direct family's split tiles the image into 4 blocks, and each of the 4
-# streams the same code; one block streams it once. An SM keeps only ~16 KB
-# of code (bench/icache_probe.py), so each block fetches all of its own.
+# the whole image, WHOLE_IMAGE_SPLIT_K_BLOCK output channels and
+# WHOLE_IMAGE_SPLIT_SLICES input-channel slices a block. The direct family's
+# split tiles the image into 4 blocks, and each of the 4 streams the same
+# code; one block streams it once. An SM keeps only ~16 KB of code
+# (bench/icache_probe.py), so each block fetches all of its own.
 # Measured on the H100, batch 1, cold (bench/split_probe.py, session 18):
 # VGG-16 conv4_1 38.3 -> 31.5 us, conv4_2 62.9 -> 47.0; with 8 slices or
 # k_block 32 they lost, and so did ResNet-50's 128-channel layer2.1.conv2
