@@ -28,6 +28,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from sparseconv.compile import find_tool
+
 ACCS = 8    # independent accumulators (the output channels of a k-block)
 COPIES = 8  # distinct functions; block b runs copy b % COPIES
 FFMA_BYTES = 16  # an sm_90 instruction, an FFMA with an immediate among them
@@ -120,9 +122,11 @@ def elf_functions(cubin: bytes) -> Dict[str, bytes]:
 
 
 def assemble(ptx: str, tmp: Path) -> Path:
+    """One whole-program ptxas run (not assemble_cubin's per-function split:
+    ptxas then keeps each kernel's callees next to it, as measured)."""
     src, cubin = tmp / "icache.ptx", tmp / "icache.cubin"
     src.write_text(ptx)
-    subprocess.run(["ptxas", "-arch=sm_90", "-O3", "-o", str(cubin), str(src)], check=True)
+    subprocess.run([str(find_tool("ptxas")), "-arch=sm_90", "-O3", "-o", str(cubin), str(src)], check=True)
     return cubin
 
 

@@ -753,6 +753,13 @@ def test_a_cluster_tiling_over_shared_memory_is_refused_before_building(tmp_path
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.cubin"))
 
 
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a bench/ script from the repository root, as its docs say to."""
+    root = Path(__file__).parent.parent
+    return subprocess.run([sys.executable, script, *args], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split"),
@@ -764,8 +771,7 @@ def test_network_ab_refuses_bad_arguments_before_any_work(args, needle, tmp_path
     it imports torch or compiles anything, and no --out file written."""
     out = tmp_path / "ab.json"
     argv = ["--out", str(out)] + args if "--out" not in args else args
-    r = subprocess.run([sys.executable, "bench/network_ab.py", "resnet50", *argv],
-                       cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    r = _bench("bench/network_ab.py", "resnet50", *argv)
     assert r.returncode == 2 and needle in r.stderr
     assert r.stderr.strip().splitlines()[-1].endswith(needle) and not out.exists()
 
@@ -779,10 +785,7 @@ def test_split_probe_refuses_bad_arguments_before_any_build(args, needle, tmp_pa
     """bench/split_probe.py: exit 2 with one line naming what to fix, before
     any kernel is built, and no --out file written."""
     out = tmp_path / "probe.json"
-    r = subprocess.run([sys.executable, "bench/split_probe.py", "--layers", "resnet50:layer4.1.conv1", "--sass",
-                        "--out", str(out), *args],
-                       cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    r = _bench("bench/split_probe.py", "--layers", "resnet50:layer4.1.conv1", "--sass", "--out", str(out), *args)
     assert r.returncode == 2 and needle in r.stderr and "built" not in r.stderr
     assert not out.exists()
 
@@ -790,9 +793,7 @@ def test_split_probe_refuses_bad_arguments_before_any_build(args, needle, tmp_pa
 def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
     """bench/layer_chain_probe.py: a chain needs a boundary to time; exit 2
     with one line, whether or not a GPU is present."""
-    r = subprocess.run([sys.executable, "bench/layer_chain_probe.py", "--layers", "1"],
-                       cwd=Path(__file__).parent.parent, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    r = _bench("bench/layer_chain_probe.py", "--layers", "1")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--layers must be 2 or more, got 1")
 
 
@@ -805,18 +806,14 @@ def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
 ])
 def test_icache_probe_refuses_bad_options_before_touching_the_gpu(args, needle):
     """bench/icache_probe.py: one line, exit 2, nothing assembled or run."""
-    r = subprocess.run([sys.executable, "bench/icache_probe.py", *args], cwd=Path(__file__).parent.parent,
-                       capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    r = _bench("bench/icache_probe.py", *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
 
 
 @pytest.mark.parametrize("args", [["--blocks-per-sm", "0"], ["--threads", "100"], ["--waves", "0"], ["--spin-us", "0"]])
 def test_dispatch_probe_refuses_bad_options_before_touching_the_gpu(args):
     """bench/dispatch_probe.py: one line naming every bound, exit 2."""
-    r = subprocess.run([sys.executable, "bench/dispatch_probe.py", *args], cwd=Path(__file__).parent.parent,
-                       capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    r = _bench("bench/dispatch_probe.py", *args)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("--blocks-per-sm 1..32, --waves >= 1, --threads a multiple of 32 "
                                                       "in 32..1024, --spin-us > 0")
@@ -825,7 +822,5 @@ def test_dispatch_probe_refuses_bad_options_before_touching_the_gpu(args):
 @pytest.mark.parametrize("script", ["bench/kernel_floor.py", "bench/classifier_l2_probe.py"])
 def test_option_free_probes_refuse_stray_arguments(script):
     """The probes that take no options exit 2 on one, before any GPU work."""
-    r = subprocess.run([sys.executable, script, "--layers", "8"], cwd=Path(__file__).parent.parent,
-                       capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    r = _bench(script, "--layers", "8")
     assert r.returncode == 2 and "unrecognized arguments: --layers 8" in r.stderr.strip().splitlines()[-1]
