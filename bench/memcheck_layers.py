@@ -43,10 +43,13 @@ FAMILY_LAYERS = {
     # batch 1: 8 slices summed inside thread-block clusters (distributed shared memory)
     "family-pointwise-cluster": ConvShape(2048, 512, 7, 7, 1, 1),
     # batch 1: a direct split of 256 input channels, 4 staged a chunk
-    # (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices summed in a cluster
-    "family-direct-wide-chunk": ConvShape(256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices (64x64: smaller
+    # images take shapes.whole_image_split)
+    "family-direct-wide-chunk": ConvShape(256, 32, 64, 64, 3, 3, (1, 1), (1, 1)),
     # split at batch 1 as one 800-thread pointwise block over the image (shapes.whole_image_split)
     "family-pointwise-whole-image": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
+    # ... and as four such blocks over a 56x56 image
+    "family-pointwise-whole-image-4": ConvShape(256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
 }
 
 

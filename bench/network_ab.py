@@ -22,8 +22,8 @@ Rules (each was measured this way before it landed):
   wide-direct-chunks  direct-family splits of 256+ input channels stage 4
                     channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
                     not 2
-  whole-image-split  deep 28x28-class k x k convs split on the pointwise
-                    family, one block over the whole image
+  whole-image-split  deep 28x28- and 56x56-class k x k convs split on the
+                    pointwise family, as few blocks as cover the image
                     (shapes.whole_image_split), not on the direct family
 """
 from __future__ import annotations

@@ -745,20 +745,25 @@ def register_resident_blocks(tiling: Tiling) -> int:
 
 
 # Small-batch splits of deep k x k convs (256+ input channels, stride 1)
-# whose image is one block's worth of pixels, more than
-# SMALL_BATCH_POINTWISE_OUTPUT (VGG-16's 28x28 conv4_x), where the layer's
-# tiling is on the pointwise family (their default): one pointwise block over
-# the whole image, WHOLE_IMAGE_SPLIT_K_BLOCK output channels and
-# WHOLE_IMAGE_SPLIT_SLICES input-channel slices a block. The direct family's
-# split tiles the image into 4 blocks, and each of the 4 streams the same
-# code; one block streams it once. An SM keeps only ~16 KB of code
+# with more than SMALL_BATCH_POINTWISE_OUTPUT output pixels and at most
+# WHOLE_IMAGE_SPLIT_MAX_PIXELS (VGG-16's 28x28 conv4_x and 56x56 conv3_2/3_3),
+# where the layer's tiling is on the pointwise family (their default): the
+# image in as few pointwise blocks as WHOLE_IMAGE_SPLIT_MAX_THREADS allow,
+# WHOLE_IMAGE_SPLIT_K_BLOCK output channels and WHOLE_IMAGE_SPLIT_SLICES
+# input-channel slices a block. The direct family's split tiles the image
+# into 4 (28x28) or 14 (56x56) blocks, and each of them streams the same code;
+# 1 or 4 blocks stream it less often. An SM keeps only ~16 KB of code
 # (bench/icache_probe.py), so each block fetches all of its own.
-# Measured on the H100, batch 1, cold (bench/split_probe.py, session 18):
-# VGG-16 conv4_1 38.3 -> 31.5 us, conv4_2 62.9 -> 47.0; with 8 slices or
-# k_block 32 they lost, and so did ResNet-50's 128-channel layer2.1.conv2
-# (13.8 -> 14.6-16.7), hence the channel floor.
+# Measured on the H100, batch 1, cold (bench/split_probe.py): VGG-16 conv4_1
+# 38.3 -> 31.5 us, conv4_2 62.9 -> 47.0 (session 18); conv3_2 / conv3_3
+# 54.8 / 54.5 -> 46.3 / 46.3, hot even (session 19). With 8 slices or k_block
+# 32 they lost, and so did 1024 threads at 56x56 (64 registers, loads 11
+# instructions ahead of use against 41 at 800), hence the thread cap; so did
+# ResNet-50's 128-channel layer2.1.conv2 (13.8 -> 14.6-16.7), hence the
+# channel floor.
 WHOLE_IMAGE_SPLIT_MIN_CHANNELS = 256
-WHOLE_IMAGE_SPLIT_MAX_PIXELS = 1024  # threads a block
+WHOLE_IMAGE_SPLIT_MAX_PIXELS = 56 * 56  # the largest image measured
+WHOLE_IMAGE_SPLIT_MAX_THREADS = 800  # 784 pixels (28x28) a block, rounded up to whole warps
 WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES = 16, 4, 4
 
 
@@ -770,7 +775,8 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
             or shape.c_per_group < WHOLE_IMAGE_SPLIT_MIN_CHANNELS
             or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS):
         return None
-    threads = -(-pixels // 32) * 32
+    blocks = -(-pixels // WHOLE_IMAGE_SPLIT_MAX_THREADS)
+    threads = -(-pixels // (blocks * 32)) * 32  # the pixels shared evenly, whole warps
     tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads),
                      c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=WHOLE_IMAGE_SPLIT_SLICES)
     try:

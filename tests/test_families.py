@@ -14,7 +14,8 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_
                                patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
 from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
                                SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
-                               WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
+                               WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MAX_THREADS,
+                               WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
                                register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
@@ -91,14 +92,18 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
 def test_deep_convs_with_larger_outputs_get_64_channels_x_256_threads():
     """From LARGE_OUTPUT_POINTWISE_MIN_CHANNELS input channels, 3x3 convs
     above 28x28 take the pointwise family too (measured cold at batch 64);
-    their small-batch split stays on the direct family."""
+    their small-batch split stays on the direct family below 256 input
+    channels, and takes whole_image_split from there."""
     for shape in (ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),      # ResNet-50 layer1.x.conv2
                   ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1)),    # VGG-16 conv1_2
                   ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1))):   # VGG-16 conv3_x
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise", 64, 256, 1)
         split = split_tiling(shape, t)
-        assert split is None or split.family == "direct"
+        if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS:
+            assert split == whole_image_split(shape) and split.family == "pointwise"
+        else:
+            assert split is None or split.family == "direct"
 
 
 def test_pointwise_tilings_prefer_a_c_block_that_divides_the_channels():
@@ -338,15 +343,16 @@ def test_a_cluster_sum_falls_back_to_the_reduction_kernel_before_sm_90(tmp_path)
     assert new.shared_bytes == 8 * 32 * 4 and old.shared_bytes == 0  # the partial tile: k_block x threads floats
 
 
-def test_deep_28x28_convs_split_as_one_block_over_the_image():
+def test_deep_28x28_and_56x56_convs_split_as_few_blocks_over_the_image():
     """whole_image_split: VGG-16's conv4_x (256+ channels, 3x3, 28x28) split
-    on the pointwise family, one 800-thread block over the 784 pixels, 16
-    channels and 4 slices a block, from their default (pointwise) tiling; a
-    direct tiling keeps the direct split. Not the 56x56 layers, not
+    on the pointwise family, one 800-thread block over the 784 pixels, and
+    conv3_2 / conv3_3 (56x56) four such blocks over the 3,136; 16 channels
+    and 4 slices a block, from their default (pointwise) tiling; a direct
+    tiling keeps the direct split. Not conv3_1 (128 input channels), not
     ResNet-50's 128-channel layer2.x.conv2, not a 1x1, a strided or a
-    grouped conv."""
+    grouped conv, not an image larger than 56x56."""
     vgg, r50 = dict(vgg16()), dict(resnet50())
-    for name in ("conv4_1", "conv4_2", "conv4_3"):
+    for name in ("conv4_1", "conv4_2", "conv4_3", "conv3_2", "conv3_3"):
         split = variant_for_batch(vgg[name], 1)
         assert split == whole_image_split(vgg[name])
         assert (split.family, split.threads, split.k_block, split.c_block, split.slices, split.slice_sum) == \
@@ -355,26 +361,36 @@ def test_deep_28x28_convs_split_as_one_block_over_the_image():
         assert default_tiling(vgg[name]).family == "pointwise"
         assert split_tiling(vgg[name], default_direct_tiling(vgg[name])).family == "direct"
         assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
-    for shape in (vgg["conv3_2"], vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"], r50["layer3.1.conv1"]):
+        assert launch_grid(vgg[name], split, 1)[0] == (1 if vgg[name].out_h == 28 else 4)  # pixel blocks
+    for shape in (vgg["conv3_1"], vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"],
+                  r50["layer3.1.conv1"]):
         assert whole_image_split(shape) is None
     deep = vgg["conv4_2"]
     assert whole_image_split(replace(deep, groups=2)) is None
-    assert whole_image_split(replace(deep, in_h=33, in_w=33)) is None  # 1,089 pixels: more than a block
+    assert whole_image_split(replace(deep, in_h=57, in_w=57)) is None  # 3,249 pixels: past the largest measured
     assert whole_image_split(replace(deep, in_h=14, in_w=14)) is None  # 196: SMALL_BATCH_POINTWISE_OUTPUT
+    # 1,089 pixels: two blocks sharing them evenly, whole warps, within the thread cap
+    split = whole_image_split(replace(deep, in_h=33, in_w=33))
+    assert split.threads == 576 and launch_grid(replace(deep, in_h=33, in_w=33), split, 1)[0] == 2
+    assert split.threads <= WHOLE_IMAGE_SPLIT_MAX_THREADS
 
 
 def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
     """SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS: VGG-16's 256+-channel direct splits
     stage 4 channels a chunk; ResNet-50's 64- and 128-channel ones keep 2, as
-    do unsplit direct tilings; a chunk too wide for shared memory is halved."""
+    do unsplit direct tilings; a chunk too wide for shared memory is halved.
+    (VGG-16's conv3_x and conv4_x take whole_image_split from their default
+    tiling, so their direct tilings and a 64x64 image stand in.)"""
     vgg, r50 = dict(vgg16()), dict(resnet50())
-    for name in ("conv3_2", "conv3_3"):  # conv4_x: whole_image_split
-        split = variant_for_batch(vgg[name], 1)
-        assert vgg[name].c_per_group >= SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS
+    for shape, tiling in ((vgg["conv3_2"], default_direct_tiling(vgg["conv3_2"])),
+                          (vgg["conv4_2"], default_direct_tiling(vgg["conv4_2"])),
+                          (replace(vgg["conv3_2"], in_h=64, in_w=64), None)):
+        split = variant_for_batch(shape, 1, tiling)
+        assert shape.c_per_group >= SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS
         assert split.family == "direct" and split.slices >= 2 and split.c_block == SPLIT_DIRECT_WIDE_C_BLOCK
-        check_tiling(vgg[name], split)  # raises where the body or the shared memory is over its bound
-        assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
-        assert default_direct_tiling(vgg[name]).c_block == 2
+        check_tiling(shape, split)  # raises where the body or the shared memory is over its bound
+        assert variant_for_batch(shape, 64, tiling) == (tiling or default_tiling(shape))  # unsplit: untouched
+        assert default_direct_tiling(shape).c_block == 2
     for shape in (vgg["conv3_1"], r50["layer1.1.conv2"], r50["layer2.0.conv2"], r50["layer2.1.conv2"]):
         split = variant_for_batch(shape, 1)
         assert split.family == "direct" and split.c_block == 2

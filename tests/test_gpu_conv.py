@@ -7,7 +7,7 @@ import pytest
 
 import sparseconv
 from sparseconv.operators import benchmark_operators
-from sparseconv.shapes import Tiling, pixel_blocks
+from sparseconv.shapes import Tiling, launch_grid, pixel_blocks
 
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
@@ -194,9 +194,12 @@ FAMILY_LAYERS = {
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
     "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
     # its split variant direct with 4 channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS)
-    "mixed_56x56_wide_chunk": (256, 64, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # (64x64: at 56x56 and below, 256 channels take shapes.whole_image_split)
+    "mixed_64x64_wide_chunk": (256, 64, 64, 64, 3, 3, (1, 1), (1, 1)),
     # its split variant one 800-thread pointwise block over the image (shapes.whole_image_split)
     "deep_28x28_whole_image": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
+    # ... and four such blocks over the 56x56 image
+    "deep_56x56_whole_image": (256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
 }
 
@@ -226,6 +229,7 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
         from sparseconv.shapes import whole_image_split
 
         assert conv.variant(1)[1].tiling == whole_image_split(s) and whole_image_split(s).threads == 800
+        assert launch_grid(s, whole_image_split(s), 1)[0] == (1 if s.out_h == 28 else 4)  # pixel blocks
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:

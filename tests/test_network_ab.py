@@ -13,14 +13,14 @@ spec = importlib.util.spec_from_file_location("network_ab", "bench/network_ab.py
 ab = importlib.util.module_from_spec(spec); spec.loader.exec_module(ab)
 for name in sys.argv[1:]:
     ab.RULES[name]()
-from sparseconv.shapes import variant_for_batch
+from sparseconv.shapes import default_direct_tiling, variant_for_batch
 from sparseconv.zoo import resnet50, vgg16
 r50, vgg = dict(resnet50()), dict(vgg16())
 t = variant_for_batch(r50["layer4.1.conv1"], 1)
 d = variant_for_batch(vgg["conv3_1"], 1)
-w = variant_for_batch(vgg["conv3_2"], 1)
-i = variant_for_batch(vgg["conv4_2"], 1)
-print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block, i.family)
+w = variant_for_batch(vgg["conv3_2"], 1, default_direct_tiling(vgg["conv3_2"]))
+i, j = variant_for_batch(vgg["conv4_2"], 1), variant_for_batch(vgg["conv3_2"], 1)
+print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block, i.family + "/" + j.family)
 """
 
 
@@ -34,12 +34,15 @@ def variants(*without):
 def test_the_landed_rules_and_each_switched_off():
     # Landed (session 16): layer4's 64-thread split fills two waves (16 slices);
     # VGG-16 conv3_1's direct split sums its 2 slices in a cluster. Session 17:
-    # conv3_2's direct split (256 channels) stages 4 channels a chunk.
-    # Session 18: conv4_2 (28x28) splits as one pointwise block over the image.
-    assert variants() == (16, "cluster", "direct", "cluster", 4, "pointwise")
-    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, "pointwise")
-    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4, "pointwise")
-    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4, "pointwise")
-    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, "pointwise")
-    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, "pointwise")
-    assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, "direct")
+    # conv3_2's direct split (256 channels) stages 4 channels a chunk (its
+    # default split is no longer direct since session 19: its direct tiling's).
+    # Session 18: conv4_2 (28x28) splits as one pointwise block over the image;
+    # session 19: conv3_2 (56x56) as four.
+    pw, dd = "pointwise/pointwise", "direct/direct"
+    assert variants() == (16, "cluster", "direct", "cluster", 4, pw)
+    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, pw)
+    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4, pw)
+    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4, pw)
+    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, pw)
+    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, pw)
+    assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, dd)
