@@ -25,6 +25,9 @@ Rules (each was measured this way before it landed):
   whole-image-split  deep 28x28- and 56x56-class k x k convs split on the
                     pointwise family, as few blocks as cover the image
                     (shapes.whole_image_split), not on the direct family
+  large-image-blocks  VGG-16's 112x112 3x3 convs at batch 1 in 800-thread
+                    blocks of 16 channels (shapes.large_image_blocks), not the
+                    default's 256-thread blocks of 64
 """
 from __future__ import annotations
 
@@ -62,9 +65,13 @@ def without_whole_image_split() -> None:
     shapes.whole_image_split = lambda shape: None  # looked up at call time by split_tiling
 
 
+def without_large_image_blocks() -> None:
+    shapes.large_image_blocks = lambda shape: None  # looked up at call time by split_tiling
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
-         "whole-image-split": without_whole_image_split}
+         "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks}
 
 
 def main() -> None:

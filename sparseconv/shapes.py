@@ -767,6 +767,14 @@ WHOLE_IMAGE_SPLIT_MAX_THREADS = 800  # 784 pixels (28x28) a block, rounded up to
 WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES = 16, 4, 4
 
 
+def image_block_threads(pixels: int) -> int:
+    """Threads a block (one pixel each) where an image of `pixels` is cut into
+    as few blocks of at most WHOLE_IMAGE_SPLIT_MAX_THREADS as cover it: the
+    pixels shared evenly, in whole warps."""
+    blocks = -(-pixels // WHOLE_IMAGE_SPLIT_MAX_THREADS)
+    return -(-pixels // (blocks * 32)) * 32
+
+
 def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
     """The small-batch variant described at WHOLE_IMAGE_SPLIT_MIN_CHANNELS,
     or None where the rule does not apply to `shape`."""
@@ -775,8 +783,7 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
             or shape.c_per_group < WHOLE_IMAGE_SPLIT_MIN_CHANNELS
             or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS):
         return None
-    blocks = -(-pixels // WHOLE_IMAGE_SPLIT_MAX_THREADS)
-    threads = -(-pixels // (blocks * 32)) * 32  # the pixels shared evenly, whole warps
+    threads = image_block_threads(pixels)
     tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads),
                      c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=WHOLE_IMAGE_SPLIT_SLICES)
     try:
@@ -786,14 +793,53 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
     return tiling
 
 
+# Small-batch variant of k x k convs (64 to 128 input channels, stride 1) on images
+# larger than WHOLE_IMAGE_SPLIT_MAX_PIXELS, up to LARGE_IMAGE_MAX_PIXELS
+# (VGG-16's 112x112 conv2_1 and conv2_2), where the layer's tiling is on the
+# pointwise family: blocks of WHOLE_IMAGE_SPLIT_MAX_THREADS threads and
+# WHOLE_IMAGE_SPLIT_K_BLOCK output channels, not split, where they come to
+# at most one wave. The default's 256-thread blocks of 64 channels each
+# stream a 64-channel k-block's code (~118 KB for conv2_2) at the ~3.8 GB/s an
+# SM fetches code (bench/icache_probe.py): ~31 us. A 16-channel block streams
+# a quarter of that, and the image's ~800 pixels a block keep the block count
+# at one wave (VGG-16 conv2_x: 16 x 8 = 128 blocks). Measured on the H100,
+# batch 1 (bench/split_probe.py, session 19), us hot / cold: conv2_1 16.5 /
+# 35.5 -> 16.2 / 21.6, conv2_2 30.9 / 64.4 -> 26.7 / 34.2; the same blocks
+# with 2 or 4 slices lost (reducing a 112x112 image's slices costs 5-8 us),
+# and so did ResNet-50's 64-channel 56x56 layer1.x.conv2 (cold 12.8 -> 16.4),
+# which the pixel floor leaves out. Deeper convs on such images were not
+# measured; 256+ channels keep the direct split, staged 4 channels a chunk
+# (SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS).
+LARGE_IMAGE_MIN_CHANNELS, LARGE_IMAGE_MAX_CHANNELS = 64, 128
+LARGE_IMAGE_MAX_PIXELS = 112 * 112  # the largest image measured
+
+
+def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
+    """The small-batch variant described at LARGE_IMAGE_MIN_CHANNELS, or None
+    where the rule does not apply to `shape`."""
+    pixels = shape.out_h * shape.out_w
+    if ((shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1
+            or not LARGE_IMAGE_MIN_CHANNELS <= shape.c_per_group <= LARGE_IMAGE_MAX_CHANNELS
+            or not WHOLE_IMAGE_SPLIT_MAX_PIXELS < pixels <= LARGE_IMAGE_MAX_PIXELS):
+        return None
+    threads = image_block_threads(pixels)
+    tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads), c_block=WHOLE_IMAGE_SPLIT_C_BLOCK)
+    try:
+        check_tiling(shape, tiling)
+    except ValueError:
+        return None
+    return tiling if blocks_per_image(shape, tiling) <= ONE_WAVE else None
+
+
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
     GPU or the reduction is too short to split. A deep conv larger than 1x1
     with more than SMALL_BATCH_POINTWISE_OUTPUT pixels is split on the direct
     family whatever family `tiling` is, except that a pointwise `tiling` of
-    whole_image_split's class takes that (checked first; a direct `tiling`
-    keeps the direct split, for comparisons). Pointwise-family convs with
+    whole_image_split's or large_image_blocks' class takes that (checked
+    first; a direct `tiling` keeps the direct split, for comparisons; the
+    latter's variant is not split, only smaller blocks). Pointwise-family convs with
     images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear layers, whose image
     is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
@@ -801,7 +847,7 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
-    whole = whole_image_split(shape) if tiling.family == "pointwise" else None
+    whole = (whole_image_split(shape) or large_image_blocks(shape)) if tiling.family == "pointwise" else None
     if whole is not None:
         return whole
     if (tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1)

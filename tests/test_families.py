@@ -16,7 +16,7 @@ from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_W
                                SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
                                WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MAX_THREADS,
                                WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
-                               register_resident_blocks,
+                               large_image_blocks, register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
 from sparseconv.zoo import resnet50, vgg16
@@ -236,7 +236,8 @@ def test_batch_variants_end_with_one_for_any_batch():
         assert variants[-1][0] == ANY_BATCH and len(variants) in (1, 2)
         if len(variants) == 2:
             up_to, split = variants[0]
-            assert 1 <= up_to <= MAX_SPLIT_BATCH and split.slices > 1
+            assert 1 <= up_to <= MAX_SPLIT_BATCH
+            assert split.slices > 1 or split == large_image_blocks(shape)  # smaller blocks, not split
             assert blocks_per_image(shape, split) / split.slices < ONE_WAVE
 
 
@@ -373,6 +374,35 @@ def test_deep_28x28_and_56x56_convs_split_as_few_blocks_over_the_image():
     split = whole_image_split(replace(deep, in_h=33, in_w=33))
     assert split.threads == 576 and launch_grid(replace(deep, in_h=33, in_w=33), split, 1)[0] == 2
     assert split.threads <= WHOLE_IMAGE_SPLIT_MAX_THREADS
+
+
+def test_112x112_convs_run_16_channel_800_thread_blocks_at_batch_1():
+    """large_image_blocks: VGG-16's conv2_1 and conv2_2 (64 and 128 input
+    channels, 3x3, 112x112) run batch 1 in unsplit pointwise blocks of 800
+    threads and 16 output channels, one wave (16 x 8 = 128 blocks), and
+    batch 2 on in their default. Not conv1_2 (224x224), not the 56x56 layers
+    (ResNet-50's layer1.x.conv2 lost), not 32 or 256 input channels, not where the
+    blocks would pass one wave, not strided, 1x1 or grouped convs."""
+    vgg, r50 = dict(vgg16()), dict(resnet50())
+    for name in ("conv2_1", "conv2_2"):
+        shape = vgg[name]
+        small = variant_for_batch(shape, 1)
+        assert small == large_image_blocks(shape)
+        assert (small.family, small.threads, small.k_block, small.c_block, small.slices) == \
+            ("pointwise", 800, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, 1)
+        assert launch_grid(shape, small, 1) == (16, 8, 1) and 16 * 8 <= ONE_WAVE
+        check_tiling(shape, small)
+        assert variant_for_batch(shape, 2) == default_tiling(shape)
+        assert split_tiling(shape, default_direct_tiling(shape)) != small  # a direct tiling is left alone
+    for shape in (vgg["conv1_2"], vgg["conv3_1"], vgg["conv3_2"], r50["layer1.1.conv2"], r50["conv1"]):
+        assert large_image_blocks(shape) is None
+    wide = vgg["conv2_2"]
+    assert large_image_blocks(replace(wide, in_channels=32, out_channels=32)) is None
+    assert large_image_blocks(replace(wide, in_channels=256, in_h=64, in_w=64)) is None  # not measured
+    assert large_image_blocks(replace(wide, out_channels=256)) is None  # 16 x 16 blocks: two waves
+    assert large_image_blocks(replace(wide, stride=(2, 2))) is None
+    assert large_image_blocks(replace(wide, groups=2)) is None
+    assert large_image_blocks(replace(wide, kernel_h=1, kernel_w=1, padding=(0, 0))) is None
 
 
 def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():

@@ -762,7 +762,7 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
-     "wide-direct-chunks, whole-image-split"),
+     "wide-direct-chunks, whole-image-split, large-image-blocks"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])

@@ -200,6 +200,8 @@ FAMILY_LAYERS = {
     "deep_28x28_whole_image": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
     # ... and four such blocks over the 56x56 image
     "deep_56x56_whole_image": (256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # its batch-1 variant 800-thread blocks of 16 channels, unsplit (shapes.large_image_blocks)
+    "mid_112x112_large_image": (64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
 }
 
@@ -230,6 +232,11 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
 
         assert conv.variant(1)[1].tiling == whole_image_split(s) and whole_image_split(s).threads == 800
         assert launch_grid(s, whole_image_split(s), 1)[0] == (1 if s.out_h == 28 else 4)  # pixel blocks
+    if name.endswith("large_image"):
+        from sparseconv.shapes import large_image_blocks
+
+        assert conv.variant(1)[1].tiling == large_image_blocks(s)
+        assert launch_grid(s, large_image_blocks(s), 1) == (16, 2, 1)  # 16 pixel blocks x 2 k-blocks
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:

@@ -20,15 +20,16 @@ t = variant_for_batch(r50["layer4.1.conv1"], 1)
 d = variant_for_batch(vgg["conv3_1"], 1)
 w = variant_for_batch(vgg["conv3_2"], 1, default_direct_tiling(vgg["conv3_2"]))
 i, j = variant_for_batch(vgg["conv4_2"], 1), variant_for_batch(vgg["conv3_2"], 1)
-print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block, i.family + "/" + j.family)
+b = variant_for_batch(vgg["conv2_2"], 1)
+print(t.slices, t.slice_sum, d.family, d.slice_sum, w.c_block, i.family + "/" + j.family, b.k_block)
 """
 
 
 def variants(*without):
     out = subprocess.run([sys.executable, "-c", PROBE, *without], cwd=ROOT, capture_output=True, text=True,
                          check=True)
-    slices, pointwise_sum, family, direct_sum, c_block, whole = out.stdout.split()
-    return int(slices), pointwise_sum, family, direct_sum, int(c_block), whole
+    slices, pointwise_sum, family, direct_sum, c_block, whole, k_block = out.stdout.split()
+    return int(slices), pointwise_sum, family, direct_sum, int(c_block), whole, int(k_block)
 
 
 def test_the_landed_rules_and_each_switched_off():
@@ -37,12 +38,14 @@ def test_the_landed_rules_and_each_switched_off():
     # conv3_2's direct split (256 channels) stages 4 channels a chunk (its
     # default split is no longer direct since session 19: its direct tiling's).
     # Session 18: conv4_2 (28x28) splits as one pointwise block over the image;
-    # session 19: conv3_2 (56x56) as four.
+    # session 19: conv3_2 (56x56) as four, and conv2_2 (112x112) runs blocks
+    # of 16 output channels, not 64.
     pw, dd = "pointwise/pointwise", "direct/direct"
-    assert variants() == (16, "cluster", "direct", "cluster", 4, pw)
-    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, pw)
-    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4, pw)
-    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4, pw)
-    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, pw)
-    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, pw)
-    assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, dd)
+    assert variants() == (16, "cluster", "direct", "cluster", 4, pw, 16)
+    assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, pw, 16)
+    assert variants("direct-cluster") == (16, "cluster", "direct", "kernel", 4, pw, 16)
+    assert variants("two-wave-splits", "direct-cluster") == (8, "cluster", "direct", "kernel", 4, pw, 16)
+    assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, pw, 16)
+    assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, pw, 16)
+    assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, dd, 16)
+    assert variants("large-image-blocks") == (16, "cluster", "direct", "cluster", 4, pw, 64)
