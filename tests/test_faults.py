@@ -760,6 +760,15 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(root)})
 
 
+def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
+    """bench/gpu_suite.sh 3: exit 2 with the usage, no shard log written."""
+    root = Path(__file__).parent.parent
+    r = subprocess.run(["bash", "bench/gpu_suite.sh", "3"], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.strip() == "usage: bash bench/gpu_suite.sh [1|2|all], not '3'"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split, large-image-blocks"),
