@@ -760,8 +760,13 @@ def register_resident_blocks(tiling: Tiling) -> int:
 # 32 they lost, and so did 1024 threads at 56x56 (64 registers, loads 11
 # instructions ahead of use against 41 at 800), hence the thread cap; so did
 # ResNet-50's 128-channel layer2.1.conv2 (13.8 -> 14.6-16.7), hence the
-# channel floor.
+# channel floor. Where the image takes several blocks (more than
+# WHOLE_IMAGE_SPLIT_MAX_THREADS pixels), 128 to 255 input channels qualify
+# too, in WHOLE_IMAGE_SPLIT_MID_SLICES slices: VGG-16 conv3_1 (128 channels,
+# 56x56) 33.1 -> 26.9 and 33.2 -> 27.0 cold in two runs, 4 slices even
+# (session 19); layer2.1.conv2 (one block) lost 13.7 -> 22.6 with 2 slices.
 WHOLE_IMAGE_SPLIT_MIN_CHANNELS = 256
+WHOLE_IMAGE_SPLIT_MID_CHANNELS, WHOLE_IMAGE_SPLIT_MID_SLICES = 128, 2
 WHOLE_IMAGE_SPLIT_MAX_PIXELS = 56 * 56  # the largest image measured
 WHOLE_IMAGE_SPLIT_MAX_THREADS = 800  # 784 pixels (28x28) a block, rounded up to whole warps
 WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES = 16, 4, 4
@@ -779,13 +784,17 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
     """The small-batch variant described at WHOLE_IMAGE_SPLIT_MIN_CHANNELS,
     or None where the rule does not apply to `shape`."""
     pixels = shape.out_h * shape.out_w
+    several_blocks = pixels > WHOLE_IMAGE_SPLIT_MAX_THREADS
+    floor = WHOLE_IMAGE_SPLIT_MID_CHANNELS if several_blocks else WHOLE_IMAGE_SPLIT_MIN_CHANNELS
     if ((shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1
-            or shape.c_per_group < WHOLE_IMAGE_SPLIT_MIN_CHANNELS
+            or shape.c_per_group < floor
             or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS):
         return None
     threads = image_block_threads(pixels)
+    slices = (WHOLE_IMAGE_SPLIT_SLICES if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS
+              else WHOLE_IMAGE_SPLIT_MID_SLICES)
     tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads),
-                     c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=WHOLE_IMAGE_SPLIT_SLICES)
+                     c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=slices)
     try:
         check_tiling(shape, tiling)
     except ValueError:

@@ -15,6 +15,7 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_
 from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
                                SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
                                WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MAX_THREADS,
+                               WHOLE_IMAGE_SPLIT_MID_CHANNELS, WHOLE_IMAGE_SPLIT_MID_SLICES,
                                WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
                                large_image_blocks, register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
@@ -349,23 +350,27 @@ def test_deep_28x28_and_56x56_convs_split_as_few_blocks_over_the_image():
     on the pointwise family, one 800-thread block over the 784 pixels, and
     conv3_2 / conv3_3 (56x56) four such blocks over the 3,136; 16 channels
     and 4 slices a block, from their default (pointwise) tiling; a direct
-    tiling keeps the direct split. Not conv3_1 (128 input channels), not
-    ResNet-50's 128-channel layer2.x.conv2, not a 1x1, a strided or a
-    grouped conv, not an image larger than 56x56."""
+    tiling keeps the direct split. conv3_1 (128 input channels, 56x56) too,
+    in 2 slices; not ResNet-50's 128-channel layer2.x.conv2 (28x28: one
+    block), not a 1x1, a strided or a grouped conv, not an image larger
+    than 56x56."""
     vgg, r50 = dict(vgg16()), dict(resnet50())
-    for name in ("conv4_1", "conv4_2", "conv4_3", "conv3_2", "conv3_3"):
+    for name in ("conv4_1", "conv4_2", "conv4_3", "conv3_2", "conv3_3", "conv3_1"):
         split = variant_for_batch(vgg[name], 1)
         assert split == whole_image_split(vgg[name])
+        slices = WHOLE_IMAGE_SPLIT_MID_SLICES if name == "conv3_1" else WHOLE_IMAGE_SPLIT_SLICES
         assert (split.family, split.threads, split.k_block, split.c_block, split.slices, split.slice_sum) == \
-            ("pointwise", 800, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_SLICES, "kernel")
+            ("pointwise", 800, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, slices, "kernel")
         check_tiling(vgg[name], split)
         assert default_tiling(vgg[name]).family == "pointwise"
         assert split_tiling(vgg[name], default_direct_tiling(vgg[name])).family == "direct"
         assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
         assert launch_grid(vgg[name], split, 1)[0] == (1 if vgg[name].out_h == 28 else 4)  # pixel blocks
-    for shape in (vgg["conv3_1"], vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"],
-                  r50["layer3.1.conv1"]):
+    for shape in (vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"], r50["layer3.1.conv1"]):
         assert whole_image_split(shape) is None
+    # 128 channels qualify only where the image takes several blocks (conv3_1, not layer2.1.conv2)
+    assert vgg["conv3_1"].c_per_group == r50["layer2.1.conv2"].c_per_group == WHOLE_IMAGE_SPLIT_MID_CHANNELS
+    assert whole_image_split(replace(vgg["conv3_1"], in_channels=64)) is None
     deep = vgg["conv4_2"]
     assert whole_image_split(replace(deep, groups=2)) is None
     assert whole_image_split(replace(deep, in_h=57, in_w=57)) is None  # 3,249 pixels: past the largest measured
@@ -422,7 +427,7 @@ def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
         assert variant_for_batch(shape, 64, tiling) == (tiling or default_tiling(shape))  # unsplit: untouched
         assert default_direct_tiling(shape).c_block == 2
     for shape in (vgg["conv3_1"], r50["layer1.1.conv2"], r50["layer2.0.conv2"], r50["layer2.1.conv2"]):
-        split = variant_for_batch(shape, 1)
+        split = variant_for_batch(shape, 1, default_direct_tiling(shape))  # conv3_1's default: whole_image_split
         assert split.family == "direct" and split.c_block == 2
     # a tile whose 4-channel patch overflows shared memory falls back to 2 channels
     strided = r50["layer2.0.conv2"]

@@ -200,6 +200,8 @@ FAMILY_LAYERS = {
     "deep_28x28_whole_image": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
     # ... and four such blocks over the 56x56 image
     "deep_56x56_whole_image": (256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # ... and with 128 input channels, in 2 slices
+    "mid_56x56_whole_image": (128, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
     # its batch-1 variant 800-thread blocks of 16 channels, unsplit (shapes.large_image_blocks)
     "mid_112x112_large_image": (64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch

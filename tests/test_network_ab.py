@@ -17,7 +17,7 @@ from sparseconv.shapes import default_direct_tiling, variant_for_batch
 from sparseconv.zoo import resnet50, vgg16
 r50, vgg = dict(resnet50()), dict(vgg16())
 t = variant_for_batch(r50["layer4.1.conv1"], 1)
-d = variant_for_batch(vgg["conv3_1"], 1)
+d = variant_for_batch(vgg["conv3_1"], 1, default_direct_tiling(vgg["conv3_1"]))
 w = variant_for_batch(vgg["conv3_2"], 1, default_direct_tiling(vgg["conv3_2"]))
 i, j = variant_for_batch(vgg["conv4_2"], 1), variant_for_batch(vgg["conv3_2"], 1)
 b = variant_for_batch(vgg["conv2_2"], 1)
@@ -38,8 +38,9 @@ def test_the_landed_rules_and_each_switched_off():
     # conv3_2's direct split (256 channels) stages 4 channels a chunk (its
     # default split is no longer direct since session 19: its direct tiling's).
     # Session 18: conv4_2 (28x28) splits as one pointwise block over the image;
-    # session 19: conv3_2 (56x56) as four, and conv2_2 (112x112) runs blocks
-    # of 16 output channels, not 64.
+    # session 19: conv3_1 and conv3_2 (56x56) as four, and conv2_2 (112x112)
+    # runs blocks of 16 output channels, not 64. (conv3_1's direct split is
+    # read from its direct tiling.)
     pw, dd = "pointwise/pointwise", "direct/direct"
     assert variants() == (16, "cluster", "direct", "cluster", 4, pw, 16)
     assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, pw, 16)
