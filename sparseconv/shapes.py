@@ -744,8 +744,8 @@ def register_resident_blocks(tiling: Tiling) -> int:
     return 65536 // (32 * math.ceil(tiling.threads / 32) * tiling.max_registers)
 
 
-# Small-batch splits of deep k x k convs (256+ input channels, stride 1)
-# with more than SMALL_BATCH_POINTWISE_OUTPUT output pixels and at most
+# Small-batch splits of deep k x k convs (256+ input channels, or 128+ where
+# the image takes several blocks; stride 1) with more than SMALL_BATCH_POINTWISE_OUTPUT output pixels and at most
 # WHOLE_IMAGE_SPLIT_MAX_PIXELS (VGG-16's 28x28 conv4_x and 56x56 conv3_2/3_3),
 # where the layer's tiling is on the pointwise family (their default): the
 # image in as few pointwise blocks as WHOLE_IMAGE_SPLIT_MAX_THREADS allow,
@@ -802,8 +802,8 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
     return tiling
 
 
-# Small-batch variant of k x k convs (64 to 128 input channels, stride 1) on images
-# larger than WHOLE_IMAGE_SPLIT_MAX_PIXELS, up to LARGE_IMAGE_MAX_PIXELS
+# Small-batch variant of k x k convs (64 to 128 input channels, stride 1) on
+# images larger than WHOLE_IMAGE_SPLIT_MAX_PIXELS, up to LARGE_IMAGE_MAX_PIXELS
 # (VGG-16's 112x112 conv2_1 and conv2_2), where the layer's tiling is on the
 # pointwise family: blocks of WHOLE_IMAGE_SPLIT_MAX_THREADS threads and
 # WHOLE_IMAGE_SPLIT_K_BLOCK output channels, not split, where they come to
@@ -837,7 +837,7 @@ def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
         check_tiling(shape, tiling)
     except ValueError:
         return None
-    return tiling if blocks_per_image(shape, tiling) <= ONE_WAVE else None
+    return tiling if math.prod(launch_grid(shape, tiling, 1)) <= ONE_WAVE else None
 
 
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
@@ -848,9 +848,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     family whatever family `tiling` is, except that a pointwise `tiling` of
     whole_image_split's or large_image_blocks' class takes that (checked
     first; a direct `tiling` keeps the direct split, for comparisons; the
-    latter's variant is not split, only smaller blocks). Pointwise-family convs with
-    images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear layers, whose image
-    is one pixel): cold_pointwise_split. Otherwise slices: the
+    latter's variant is not split, only smaller blocks). Pointwise-family
+    convs with images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear
+    layers, whose image is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
     least the minimum work (measured on the H100: batch 1, ResNet-50 and
     VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
