@@ -50,6 +50,8 @@ FAMILY_LAYERS = {
     "family-pointwise-whole-image": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
     # ... and as four such blocks over a 56x56 image
     "family-pointwise-whole-image-4": ConvShape(256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
+    # ... and with 128 input channels, in 2 slices (not yet run under compute-sanitizer)
+    "family-pointwise-whole-image-mid": ConvShape(128, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
     # batch 1 in unsplit 800-thread blocks of 16 channels (shapes.large_image_blocks)
     "family-pointwise-large-image": ConvShape(64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
 }
