@@ -780,19 +780,14 @@ def image_block_threads(pixels: int) -> int:
     return -(-pixels // (blocks * 32)) * 32
 
 
-def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
-    """The small-batch variant described at WHOLE_IMAGE_SPLIT_MIN_CHANNELS,
-    or None where the rule does not apply to `shape`."""
-    pixels = shape.out_h * shape.out_w
-    several_blocks = pixels > WHOLE_IMAGE_SPLIT_MAX_THREADS
-    floor = WHOLE_IMAGE_SPLIT_MID_CHANNELS if several_blocks else WHOLE_IMAGE_SPLIT_MIN_CHANNELS
-    if ((shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1
-            or shape.c_per_group < floor
-            or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS):
+def image_blocks_tiling(shape: ConvShape, slices: int) -> Optional[Tiling]:
+    """The pointwise tiling whole_image_split and large_image_blocks build
+    for a k x k conv at stride 1 without groups: image_block_threads pixels
+    a block, WHOLE_IMAGE_SPLIT_K_BLOCK output channels, `slices` slices; None
+    for any other conv, or where the tiling is over its bounds."""
+    if (shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1:
         return None
-    threads = image_block_threads(pixels)
-    slices = (WHOLE_IMAGE_SPLIT_SLICES if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS
-              else WHOLE_IMAGE_SPLIT_MID_SLICES)
+    threads = image_block_threads(shape.out_h * shape.out_w)
     tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads),
                      c_block=WHOLE_IMAGE_SPLIT_C_BLOCK, slices=slices)
     try:
@@ -800,6 +795,19 @@ def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
     except ValueError:
         return None
     return tiling
+
+
+def whole_image_split(shape: ConvShape) -> Optional[Tiling]:
+    """The small-batch variant described at WHOLE_IMAGE_SPLIT_MIN_CHANNELS,
+    or None where the rule does not apply to `shape`."""
+    pixels = shape.out_h * shape.out_w
+    several_blocks = pixels > WHOLE_IMAGE_SPLIT_MAX_THREADS
+    floor = WHOLE_IMAGE_SPLIT_MID_CHANNELS if several_blocks else WHOLE_IMAGE_SPLIT_MIN_CHANNELS
+    if shape.c_per_group < floor or not SMALL_BATCH_POINTWISE_OUTPUT < pixels <= WHOLE_IMAGE_SPLIT_MAX_PIXELS:
+        return None
+    slices = (WHOLE_IMAGE_SPLIT_SLICES if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS
+              else WHOLE_IMAGE_SPLIT_MID_SLICES)
+    return image_blocks_tiling(shape, slices)
 
 
 # Small-batch variant of k x k convs (64 to 128 input channels, stride 1) on
@@ -827,17 +835,11 @@ def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
     """The small-batch variant described at LARGE_IMAGE_MIN_CHANNELS, or None
     where the rule does not apply to `shape`."""
     pixels = shape.out_h * shape.out_w
-    if ((shape.kernel_h, shape.kernel_w) == (1, 1) or shape.stride != (1, 1) or shape.groups != 1
-            or not LARGE_IMAGE_MIN_CHANNELS <= shape.c_per_group <= LARGE_IMAGE_MAX_CHANNELS
+    if (not LARGE_IMAGE_MIN_CHANNELS <= shape.c_per_group <= LARGE_IMAGE_MAX_CHANNELS
             or not WHOLE_IMAGE_SPLIT_MAX_PIXELS < pixels <= LARGE_IMAGE_MAX_PIXELS):
         return None
-    threads = image_block_threads(pixels)
-    tiling = replace(pointwise_tiling(shape, WHOLE_IMAGE_SPLIT_K_BLOCK, 1, threads), c_block=WHOLE_IMAGE_SPLIT_C_BLOCK)
-    try:
-        check_tiling(shape, tiling)
-    except ValueError:
-        return None
-    return tiling if math.prod(launch_grid(shape, tiling, 1)) <= ONE_WAVE else None
+    tiling = image_blocks_tiling(shape, slices=1)
+    return tiling if tiling is not None and math.prod(launch_grid(shape, tiling, 1)) <= ONE_WAVE else None
 
 
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
