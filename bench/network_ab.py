@@ -22,9 +22,11 @@ Rules (each was measured this way before it landed):
   wide-direct-chunks  direct-family splits of 256+ input channels stage 4
                     channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
                     not 2
-  whole-image-split  deep 28x28- and 56x56-class k x k convs split on the
-                    pointwise family, as few blocks as cover the image
-                    (shapes.whole_image_split), not on the direct family
+  whole-image-split  deep 28x28- and 56x56-class k x k convs (256+ input
+                    channels; 128+ where the image takes several blocks)
+                    split on the pointwise family, as few blocks as cover
+                    the image (shapes.whole_image_split), not on the direct
+                    family
   large-image-blocks  VGG-16's 112x112 3x3 convs at batch 1 in 800-thread
                     blocks of 16 channels (shapes.large_image_blocks), not the
                     default's 256-thread blocks of 64
