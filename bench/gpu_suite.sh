@@ -39,7 +39,7 @@ if [ "$PART" != 1 ]; then
     run rest tests/test_gpu_tune.py tests/test_gpu_zoo.py tests/test_gpu_model.py tests/test_benchmark.py \
         tests/test_ptx_interpreter.py &
     run onnx tests/test_gpu_onnx.py tests/test_gpu_onnx_fuse.py tests/test_gpu_onnx_graph.py &
-    run linear tests/test_gpu_linear.py &
+    run linear tests/test_gpu_linear.py tests/test_gemv.py &
     wait
 fi
 grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_*.log | head -40

@@ -30,6 +30,9 @@ Rules (each was measured this way before it landed):
   large-image-blocks  VGG-16's 112x112 3x3 convs at batch 1 in 800-thread
                     blocks of 16 channels (shapes.large_image_blocks), not the
                     default's 256-thread blocks of 64
+  gemv              dense nn.Linear layers of 1,000+ features at batch <= 8
+                    through sparseconv.gemv (fx.MIN_GEMV_FEATURES), not
+                    cuBLAS's F.linear
 """
 from __future__ import annotations
 
@@ -71,9 +74,16 @@ def without_large_image_blocks() -> None:
     shapes.large_image_blocks = lambda shape: None  # looked up at call time by split_tiling
 
 
+def without_gemv() -> None:
+    import sparseconv.fx as fx  # here: fx imports torch, which a refused argument should not wait for
+
+    fx.MIN_GEMV_FEATURES = 1 << 62  # no layer is that wide: swap_dense_linears takes none
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
-         "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks}
+         "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
+         "gemv": without_gemv}
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
+from .gemv import MAX_GEMV_BATCH, gemv_supported, linear_gemv
 from .pool import MaxPoolShape, max_pool2d
 from .shapes import ConvShape, shape_from_weight
 
@@ -314,6 +315,67 @@ def swap_max_pools(module: nn.Module) -> List[str]:
         setattr(module.get_submodule(parent) if parent else module, attr, pool)
         swapped.append(name)
     return swapped
+
+
+# A dense nn.Linear runs sparseconv.gemv's kernel at small batches when it has
+# at least this many output features: it won on 1,000 and 4,096 (VGG-16's and
+# ResNet-50's classifiers, bench/gemv_probe.py, H100, session 20). With few
+# features its warps are too few to stream the weights; cuBLAS splits the rows.
+MIN_GEMV_FEATURES = 1000
+
+
+class GemvLinear(nn.Module):
+    """A dense nn.Linear (same weight and bias parameters) whose CUDA float32
+    calls on (N, in_features) inputs with N <= MAX_GEMV_BATCH run
+    sparseconv.gemv's kernel: the weights streamed once, exact fp32 sums in a
+    fixed order. Other calls (CPU, other dtypes or ranks, larger batches,
+    autograd) run F.linear."""
+
+    def __init__(self, linear: nn.Linear, name: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.layer_name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        ours = x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_GEMV_BATCH \
+            and w.dtype == torch.float32 and w.device == x.device and w.is_contiguous() \
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        if ours:
+            x = x.contiguous()
+            ours = gemv_supported(x.shape[0], self.in_features, x.data_ptr(), w.data_ptr())
+        if not ours:
+            return F.linear(x, w, self.bias)
+        import cupy
+
+        from . import runtime
+
+        bias = self.bias if self.bias is not None else torch.zeros(self.out_features, device=x.device)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        index = x.device.index
+        # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
+        with cupy.cuda.Device(index), runtime.as_cupy_stream(torch.cuda.current_stream(x.device), index,
+                                                            self.layer_name):
+            linear_gemv(index, cupy.from_dlpack(x), cupy.from_dlpack(w.detach()),
+                        cupy.from_dlpack(bias.detach().contiguous()), cupy.from_dlpack(out))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, sparseconv.gemv at batch <= {MAX_GEMV_BATCH}")
+
+
+def swap_dense_linears(module: nn.Module) -> List[str]:
+    """Replace each plain nn.Linear submodule of `module` (changed in place;
+    compiled ones are FusedLinear by now) with at least MIN_GEMV_FEATURES
+    outputs and a multiple of 4 inputs by a GemvLinear; returns the names."""
+    names = [name for name, m in module.named_modules()
+             if name and type(m) is nn.Linear and m.out_features >= MIN_GEMV_FEATURES and m.in_features % 4 == 0]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, GemvLinear(module.get_submodule(name), name))
+    return names
 
 
 # -- eligibility ---------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import nn
 
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, conv_padding, plan, prepare,
-                 swap_max_pools, swap_modules)
+                 swap_dense_linears, swap_max_pools, swap_modules)
 from .routing import choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
 from .tune import DENSE, SPARSE_EVENTS
@@ -157,7 +157,8 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
              cache_dir: Optional[str] = None, jobs: Optional[int] = None, progress: bool = True,
              inplace: bool = False, fuse: bool = True, cuda_graph: bool = False,
              route_batches: Optional[Sequence[int]] = (1, 64), linear: bool = True,
-             max_linear_weights: Optional[int] = MAX_LINEAR_WEIGHTS, pools: bool = True) -> nn.Module:
+             max_linear_weights: Optional[int] = MAX_LINEAR_WEIGHTS, pools: bool = True,
+             gemv: bool = True) -> nn.Module:
     """Return `model` with each eligible nn.Conv2d (and pruned nn.Linear)
     compiled to a sparseconv kernel.
 
@@ -200,13 +201,20 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     pools=True (default) swaps each nn.MaxPool2d (without return_indices)
     for sparseconv.pool's kernel on CUDA float32 inputs: the same maxima,
     without the int64 indices torch's CUDA pool also writes (ResNet-50's pool
-    at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them."""
+    at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them.
+
+    gemv=True (default) runs each nn.Linear that stays dense (not compiled,
+    at least fx.MIN_GEMV_FEATURES outputs) through sparseconv.gemv's kernel
+    at batch <= 8 on CUDA float32 inputs: exact fp32, the weights streamed
+    once (VGG-16's fc7 at batch 1: 39 -> 28 us against cuBLAS). Other calls
+    run F.linear. `result.sparseconv_gemv` lists them."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
     if not isinstance(linear, bool):
         raise TypeError(f"sparsify: linear must be True or False, got {linear!r}")
-    if not isinstance(pools, bool):
-        raise TypeError(f"sparsify: pools must be True or False, got {pools!r}")
+    for option, value in (("pools", pools), ("gemv", gemv)):
+        if not isinstance(value, bool):
+            raise TypeError(f"sparsify: {option} must be True or False, got {value!r}")
     if max_linear_weights is not None and (isinstance(max_linear_weights, bool) or
                                            not isinstance(max_linear_weights, int) or max_linear_weights < 1):
         raise ValueError(f"sparsify: max_linear_weights must be a positive int or None, got {max_linear_weights!r}")
@@ -248,10 +256,12 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
             action = "mixed" if len(paths) > 1 else paths.pop()
             plans[i] = replace(p, action=action, reason=routed[p.name])
     pooled = swap_max_pools(result) if pools else []
+    gemvs = swap_dense_linears(result) if gemv else []
     if cuda_graph:
         result = CudaGraphModule(result)
     result.sparseconv_plan = plans
     result.sparseconv_pools = pooled
+    result.sparseconv_gemv = gemvs
     return result
 
 

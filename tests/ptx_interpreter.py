@@ -70,6 +70,7 @@ instruction and its line)
                 barrier.cluster.arrive(.release|.relaxed)(.aligned) and
                 barrier.cluster.wait(.acquire)(.aligned);
                 membar/fence (no-ops: the interpreter is sequential);
+                shfl.sync.bfly.b32 over whole warps (constant lane mask);
                 cp.async.{ca,cg}.shared.global with src-size zero fill,
                 cp.async.commit_group, wait_group N, wait_all (a copy lands
                 in shared memory only when a wait covers its group).
@@ -1096,6 +1097,44 @@ class _Decoder:
                 _write(fr, p, combine(r, cv), m)
                 if q is not None:
                     _write(fr, q, combine(np.logical_not(r), cv), m)
+        return run
+
+    def op_shfl(self, ins, parts, ops):
+        """shfl.sync.bfly.b32 d[|p], a, lane_mask, 0x1f, 0xffffffff: lane l gets
+        a from lane l ^ lane_mask of its warp (p: true, the source lane is in
+        range). Only the full-warp butterfly is supported: the lane mask the
+        same for every lane, every lane of each warp taking part."""
+        if parts[1:] != ["sync", "bfly", "b32"]:
+            raise PtxInterpreterError(f"only shfl.sync.bfly.b32 is supported, not {'.'.join(parts)}")
+        self._need(ops, 5, parts)
+        dst, _, pred = ops[0].partition("|")
+        d, _ = self.dst(dst, "b32")
+        p = self.dst(pred, "pred")[0] if pred else None
+        a, lane_mask, clamp, members = (self.src(o, "b32") for o in ops[1:5])
+
+        def uniform(get, fr, m, lanes, what):
+            v = np.asarray(get(fr, m))
+            vals = np.unique(v[lanes]) if v.ndim else [v]
+            if len(vals) != 1:
+                raise PtxInterpreterError(f"shfl.sync.bfly: the {what} differs between lanes")
+            return int(vals[0])
+
+        def run(fr, m):
+            T = fr.ctx.T
+            lanes = fr.M if m is None else m
+            bfly = uniform(lane_mask, fr, m, lanes, "lane mask")
+            if bfly >= 32 or uniform(clamp, fr, m, lanes, "clamp") != 0x1F \
+                    or uniform(members, fr, m, lanes, "member mask") != 0xFFFFFFFF:
+                raise PtxInterpreterError("shfl.sync.bfly: only a lane mask < 32 within a full warp "
+                                          "(clamp 0x1f, member mask 0xffffffff) is supported")
+            full = T - T % 32  # the threads of whole warps
+            for w in np.unique(np.arange(T)[lanes] // 32):
+                if w * 32 + 32 > full or not lanes[w * 32:w * 32 + 32].all():
+                    raise PtxInterpreterError("shfl.sync with only part of a warp taking part")
+            v = a(fr, m)
+            _write(fr, d, v if np.ndim(v) == 0 else v[np.arange(T) ^ bfly], m)
+            if p is not None:
+                _write(fr, p, np.ones(T, bool), m)
         return run
 
     def op_selp(self, ins, parts, ops):

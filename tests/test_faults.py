@@ -697,13 +697,14 @@ def test_sparsify_refuses_bad_route_batches(route_batches):
         sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
 
 
-@pytest.mark.parametrize("pools", ["yes", 1, None])
-def test_sparsify_refuses_a_pools_option_that_is_not_a_bool(pools):
+@pytest.mark.parametrize("option", ["pools", "gemv"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_sparsify_refuses_a_pools_or_gemv_option_that_is_not_a_bool(option, value):
     torch = pytest.importorskip("torch")
     import sparseconv.torch as sct
 
-    with pytest.raises(TypeError, match="sparsify: pools must be True or False"):
-        sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), pools=pools)
+    with pytest.raises(TypeError, match=f"sparsify: {option} must be True or False"):
+        sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), **{option: value})
 
 
 def test_bench_network_option_refuses_bad_input_with_usage_errors():
@@ -771,7 +772,7 @@ def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
-     "wide-direct-chunks, whole-image-split, large-image-blocks"),
+     "wide-direct-chunks, whole-image-split, large-image-blocks, gemv"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])

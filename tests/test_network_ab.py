@@ -50,3 +50,23 @@ def test_the_landed_rules_and_each_switched_off():
     assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, pw, 16)
     assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, dd, 16)
     assert variants("large-image-blocks") == (16, "cluster", "direct", "cluster", 4, pw, 64)
+
+
+GEMV_PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("network_ab", "bench/network_ab.py")
+ab = importlib.util.module_from_spec(spec); spec.loader.exec_module(ab)
+for name in sys.argv[1:]:
+    ab.RULES[name]()
+from torch import nn
+from sparseconv.fx import swap_dense_linears
+print(swap_dense_linears(nn.Sequential(nn.Linear(2048, 1000), nn.Linear(1000, 4096))))
+"""
+
+
+def test_the_gemv_switch_leaves_every_dense_linear_to_cublas():
+    def swapped(*without):
+        return subprocess.run([sys.executable, "-c", GEMV_PROBE, *without], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert swapped() == "['0', '1']"
+    assert swapped("gemv") == "[]"

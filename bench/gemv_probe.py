@@ -1,0 +1,111 @@
+"""torch's F.linear (cuBLAS, TF32 off) against sparseconv.gemv's kernel on the
+dense classifiers of VGG-16 and ResNet-50 at small batches, each call timed
+alone by CUDA events on torch's stream (median), hot and with L2 flushed
+before each call; checks both against float64.
+
+    python bench/gemv_probe.py --batch 1 --batch 8 --out gemv.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparseconv.gemv import GemvVariant, linear_gemv
+from sparseconv.runtime import as_cupy_stream
+from sparseconv.timing import l2_scratch_floats
+
+# (name, in_features, out_features)
+# The default (4 warps a feature, 8 loads a step) and the alternatives it beat.
+# Session 20 also timed __ldcs and __ldg weight loads and ptxas -O1 (NVRTC's
+# --ptxas-options): none gained over 2 us on any layer (docs/PERFORMANCE.md).
+VARIANTS = {"s4u8 (default)": GemvVariant(), "s1u8": GemvVariant(1, 8), "s2u8": GemvVariant(2, 8),
+            "s4u4": GemvVariant(4, 4), "s8u4": GemvVariant(8, 4)}
+LAYERS = [("vgg16 fc6", 25088, 4096), ("vgg16 fc7", 4096, 4096), ("vgg16 fc8", 4096, 1000),
+          ("resnet50 fc", 2048, 1000)]
+
+
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def time_us(fn: Callable[[], Any], flush: Optional[Callable[[], Any]], repeat: int = 30) -> float:
+    """Median of `repeat` calls of fn, each bracketed by CUDA events on
+    torch's current stream, `flush` (not timed) before each if given."""
+    times = []
+    for _ in range(repeat + 3):
+        if flush is not None:
+            flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000)  # ~0.1 ms of GPU spin: the launch below is queued before the start event fires
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times[3:]))
+
+
+def main() -> None:
+    import cupy
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, action="append", help="repeat for several (default 1, 2, 4, 8)")
+    ap.add_argument("--out", default="gemv_probe.json")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    scratch = torch.empty(l2_scratch_floats(getattr(props, "L2_cache_size", None)), device="cuda")
+    rows = []
+    for name, n_in, n_out in LAYERS:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = torch.randn(n_out, n_in, device="cuda", generator=g) / n_in ** 0.5
+        b = torch.randn(n_out, device="cuda", generator=g)
+        for batch in args.batch or [1, 2, 4, 8]:
+            x = torch.randn(batch, n_in, device="cuda", generator=g)
+            y = torch.empty(batch, n_out, device="cuda")
+
+            def theirs() -> torch.Tensor:
+                return F.linear(x, w, b)  # what nn.Linear runs (cuBLAS)
+
+            ref = F.linear(x.double(), w.double(), b.double())
+
+            def flush() -> None:
+                scratch.fill_(1.0)
+                x.max()  # the input comes from the layer before: in L2
+
+            row = dict(layer=name, batch=batch, in_features=n_in, out_features=n_out, weight_MB=w.numel() * 4 / 1e6,
+                       err=dict(torch=rel_l2(theirs(), ref)), hot_us={}, cold_us={})
+            row["hot_us"]["torch"] = time_us(theirs, None)
+            row["cold_us"]["torch"] = time_us(theirs, flush)
+            for label, variant in VARIANTS.items():
+                cx, cw, cb, cy = (cupy.from_dlpack(t) for t in (x, w, b, y))
+
+                def ours(variant: GemvVariant = variant) -> None:
+                    with as_cupy_stream(torch.cuda.current_stream(), 0, "gemv_probe"):
+                        linear_gemv(0, cx, cw, cb, cy, variant)
+                try:
+                    y.zero_()
+                    ours()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # e.g. an NVRTC that refuses --ptxas-options
+                    print(f"{name} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                row["err"][label] = rel_l2(y, ref)
+                row["hot_us"][label] = time_us(ours, None)
+                row["cold_us"][label] = time_us(ours, flush)
+            rows.append(row)
+            cells = ", ".join(f"{k} {row['hot_us'][k]:.1f}/{v:.1f} ({row['weight_MB'] / v:.2f} TB/s, "
+                              f"err {row['err'][k]:.0e})" for k, v in row["cold_us"].items() if v > 0)
+            print(f"{name:12s} batch {batch} hot/cold us: {cells}", flush=True)
+    json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows),
+              open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
