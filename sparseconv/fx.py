@@ -335,6 +335,10 @@ class GemvLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        # the kernel always adds a bias: zeros where the layer has none (not saved, moves with .to())
+        self.register_buffer("zero_bias", None if linear.bias is not None else
+                             torch.zeros(linear.out_features, dtype=linear.weight.dtype,
+                                         device=linear.weight.device), persistent=False)
         self.layer_name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -351,7 +355,9 @@ class GemvLinear(nn.Module):
 
         from . import runtime
 
-        bias = self.bias if self.bias is not None else torch.zeros(self.out_features, device=x.device)
+        bias = self.bias if self.bias is not None else self.zero_bias
+        if bias.dtype != torch.float32 or bias.device != x.device:
+            return F.linear(x, w, self.bias)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         index = x.device.index
         # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs

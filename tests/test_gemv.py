@@ -83,6 +83,9 @@ def test_a_gemv_linear_keeps_autograd_on_the_cpu_and_through_f_linear():
     x = torch.randn(2, 8, requires_grad=True)
     g(x).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
+    # without a bias: the kernel's zeros are a buffer that is not saved
+    no_bias = GemvLinear(nn.Linear(8, MIN_GEMV_FEATURES, bias=False), "head")
+    assert set(no_bias.state_dict()) == {"weight"} and not no_bias.zero_bias.any()
 
 
 @pytest.mark.gpu
