@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparseconv.gemv import GemvVariant, linear_gemv
+from sparseconv.gemv import MAX_GEMV_BATCH, GemvVariant, linear_gemv
 from sparseconv.runtime import as_cupy_stream
 from sparseconv.timing import l2_scratch_floats
 
@@ -52,12 +53,16 @@ def time_us(fn: Callable[[], Any], flush: Optional[Callable[[], Any]], repeat: i
 
 
 def main() -> None:
-    import cupy
-
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, action="append", help="repeat for several (default 1, 2, 4, 8)")
     ap.add_argument("--out", default="gemv_probe.json")
     args = ap.parse_args()
+    bad = [b for b in args.batch or [] if not 1 <= b <= MAX_GEMV_BATCH]
+    if bad:
+        ap.error(f"--batch must be 1..{MAX_GEMV_BATCH} (the kernel's images a launch), got {bad[0]}")
+    if not Path(args.out).resolve().parent.is_dir():  # refused now, not after the timings
+        ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
+    import cupy
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
     scratch = torch.empty(l2_scratch_floats(getattr(props, "L2_cache_size", None)), device="cuda")

@@ -771,6 +771,21 @@ def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
+    (["--batch", "9"], "--batch must be 1..8 (the kernel's images a launch), got 9"),
+    (["--batch", "0"], "--batch must be 1..8 (the kernel's images a launch), got 0"),
+    (["--out", "/no/such/folder/g.json"], "--out /no/such/folder/g.json: folder /no/such/folder does not exist"),
+])
+def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
+    """bench/gemv_probe.py: exit 2 with one line naming what to fix, before
+    it touches a GPU, and no --out file written."""
+    out = tmp_path / "g.json"
+    argv = ["--out", str(out)] + args if "--out" not in args else args
+    r = _bench("bench/gemv_probe.py", *argv)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split, large-image-blocks, gemv"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
