@@ -31,7 +31,7 @@ Rules (each was measured this way before it landed):
                     blocks of 16 channels (shapes.large_image_blocks), not the
                     default's 256-thread blocks of 64
   gemv              dense nn.Linear layers of 1,000+ features at batch <= 8
-                    through sparseconv.gemv (fx.MIN_GEMV_FEATURES), not
+                    through sparseconv.gemv (gemv.MIN_GEMV_FEATURES), not
                     cuBLAS's F.linear
 """
 from __future__ import annotations
@@ -75,9 +75,9 @@ def without_large_image_blocks() -> None:
 
 
 def without_gemv() -> None:
-    import sparseconv.fx as fx  # here: fx imports torch, which a refused argument should not wait for
+    import sparseconv.gemv as gemv
 
-    fx.MIN_GEMV_FEATURES = 1 << 62  # no layer is that wide: swap_dense_linears takes none
+    gemv.MIN_GEMV_FEATURES = 1 << 62  # no layer is that wide: gemv_takes refuses every one
 
 
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,

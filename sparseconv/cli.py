@@ -221,14 +221,15 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
             for line in fusion_lines(fuse_program(program).convs):
                 click.echo(line if line.startswith(" ") else f"sparseconv run: {line}")
     if m.format == "onnx":  # the Gemm/MatMul layers `run` compiles as Linear kernels (runner.linear_layers)
-        linears, dense = linear_layers(read_onnx(model, parse_size(input_size, "--input-size") if input_size
-                                                 else None))
+        linears, dense, gemvs = linear_layers(read_onnx(model, parse_size(input_size, "--input-size")
+                                                        if input_size else None))
         for name, layer in linears.items():
             s = layer.shape
             click.echo(f"{name[:32]:32s} {f'Linear {s.in_channels}->{s.out_channels}':34s} {layer.sparsity:8.3f} "
                        f"{int(np.count_nonzero(layer.weight)):>10d}  run: Linear kernel (not in `compile`)")
         for name, why in dense.items():
-            click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: dense, {why}")
+            how = "dense (sparseconv.gemv at batch <= 8)" if name in gemvs else "dense"
+            click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: {how}, {why}")
 
 
 @main.command()

@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
-from .gemv import MAX_GEMV_BATCH, gemv_supported, linear_gemv
+from .gemv import MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv
 from .pool import MaxPoolShape, max_pool2d
 from .shapes import ConvShape, shape_from_weight
 
@@ -317,13 +317,6 @@ def swap_max_pools(module: nn.Module) -> List[str]:
     return swapped
 
 
-# A dense nn.Linear runs sparseconv.gemv's kernel at small batches when it has
-# at least this many output features: it won on 1,000 and 4,096 (VGG-16's and
-# ResNet-50's classifiers, bench/gemv_probe.py, H100, session 20). With few
-# features its warps are too few to stream the weights; cuBLAS splits the rows.
-MIN_GEMV_FEATURES = 1000
-
-
 class GemvLinear(nn.Module):
     """A dense nn.Linear (same weight and bias parameters) whose CUDA float32
     calls on (N, in_features) inputs with N <= MAX_GEMV_BATCH run
@@ -374,10 +367,11 @@ class GemvLinear(nn.Module):
 
 def swap_dense_linears(module: nn.Module) -> List[str]:
     """Replace each plain nn.Linear submodule of `module` (changed in place;
-    compiled ones are FusedLinear by now) with at least MIN_GEMV_FEATURES
-    outputs and a multiple of 4 inputs by a GemvLinear; returns the names."""
+    compiled ones are FusedLinear by now) that sparseconv.gemv takes (at least
+    gemv.MIN_GEMV_FEATURES outputs, a multiple of 4 inputs) by a GemvLinear;
+    returns the names."""
     names = [name for name, m in module.named_modules()
-             if name and type(m) is nn.Linear and m.out_features >= MIN_GEMV_FEATURES and m.in_features % 4 == 0]
+             if name and type(m) is nn.Linear and gemv_takes(m.out_features, m.in_features)]
     for name in names:
         parent, _, attr = name.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, attr, GemvLinear(module.get_submodule(name), name))

@@ -22,6 +22,11 @@ from typing import Any, Dict, Tuple
 # per weight load; beyond a few images a GEMM reuses the weights better.
 MAX_GEMV_BATCH = 8
 WARPS_PER_BLOCK = 8   # GemvVariant.split of them share an output feature
+# A dense layer takes this kernel when it has at least this many output
+# features: it won on 1,000 and 4,096 (VGG-16's and ResNet-50's classifiers,
+# bench/gemv_probe.py, H100, session 20). With few features its warps are too
+# few to stream the weights; cuBLAS splits the rows.
+MIN_GEMV_FEATURES = 1000
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,12 @@ def gemv_source(batch: int, variant: GemvVariant = GemvVariant()) -> str:
 
 
 _kernels: Dict[Tuple[int, int, GemvVariant], Any] = {}  # (device, batch, variant) -> kernel
+
+
+def gemv_takes(out_features: int, in_features: int) -> bool:
+    """Whether a dense layer of this size runs this kernel at small batches
+    (both front ends ask: fx.swap_dense_linears and the ONNX runner)."""
+    return out_features >= MIN_GEMV_FEATURES and in_features % 4 == 0
 
 
 def gemv_supported(batch: int, in_features: int, x_ptr: int, w_ptr: int) -> bool:

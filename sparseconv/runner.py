@@ -35,6 +35,7 @@ import numpy as np
 
 from . import onnx_ops as ops
 from .dense import conv2d_im2col, epilogue_reference
+from .gemv import MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
@@ -54,6 +55,20 @@ class Node:
 
 
 @dataclass(frozen=True)
+class GemvLayer:
+    """A dense Gemm / MatMul with a constant weight that the GPU runner streams
+    through sparseconv.gemv at batch <= MAX_GEMV_BATCH (other batches: the
+    operator). weight is (out, in) as nn.Linear's; weight_input names the
+    constant when it already is that matrix (Gemm transB=1), so the GPU copy
+    of the constant serves, else None (a transposed copy is uploaded)."""
+
+    name: str
+    weight: np.ndarray
+    bias: Optional[np.ndarray]
+    weight_input: Optional[str]
+
+
+@dataclass(frozen=True)
 class OnnxProgram:
     """A parsed ONNX graph: nodes in order, constant tensors, and its conv layers."""
 
@@ -69,6 +84,7 @@ class OnnxProgram:
     # those that run as kernels (linear_layers); the others run as OPS.
     linears: Dict[str, ConvLayer] = field(default_factory=dict)
     dense_linears: Dict[str, str] = field(default_factory=dict)  # node name -> why it runs densely
+    gemv_layers: Dict[str, GemvLayer] = field(default_factory=dict)  # dense ones sparseconv.gemv takes
 
     def plan(self, backends: Optional[Dict[str, str]] = None) -> List[str]:
         """One line per conv-like node: how it runs, and what was fused into
@@ -86,7 +102,9 @@ class OnnxProgram:
                 lines.append(f"{node.name}: {node.op} as Linear {s.in_channels}->{s.out_channels}, "
                              f"{(backends or {}).get(node.name, 'sparseconv')}")
             elif node.name in self.dense_linears:
-                lines.append(f"{node.name}: {node.op}, dense (CuPy matmul): {self.dense_linears[node.name]}")
+                how = f"sparseconv.gemv at batch <= {MAX_GEMV_BATCH}, else CuPy matmul" \
+                    if node.name in self.gemv_layers else "CuPy matmul"
+                lines.append(f"{node.name}: {node.op}, dense ({how}): {self.dense_linears[node.name]}")
             elif node.op == "ConvTranspose":
                 lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
         return lines
@@ -277,7 +295,7 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
     parsed = read_onnx(path, input_size)
-    linears, dense_linears = linear_layers(parsed)
+    linears, dense_linears, gemvs = linear_layers(parsed)
     if not parsed.layers and not linears:
         raise ModelError(f"{path}: the model has no Conv layer (nor a pruned Gemm/MatMul with a constant "
                          "weight); nothing for sparseconv to run")
@@ -310,10 +328,11 @@ def load_program(path: Path, input_size: Optional[Tuple[int, int]] = None) -> On
             raise ModelError(f"{path}: node {name}: pooling auto_pad is not supported; export with explicit pads")
         nodes.append(Node(nd.op_type, name, tuple(nd.input), tuple(nd.output), attrs))
     return OnnxProgram(path, tuple(nodes), constants, inputs[0].name, tuple(dims),
-                       tuple(o.name for o in graph.output), convs, value_shapes(graph), linears, dense_linears)
+                       tuple(o.name for o in graph.output), convs, value_shapes(graph), linears, dense_linears,
+                       gemvs)
 
 
-def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
+def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str], Dict[str, GemvLayer]]:
     """The Gemm and MatMul nodes of a parsed ONNX graph (model.OnnxFile) that
     are fully connected layers with a constant weight: Gemm with constant B,
     alpha 1, transA 0, any transB, and no C or beta 1 with a constant C of
@@ -322,7 +341,8 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
     nn.Linear's, shape api.linear_shape) for those that compile, and (node
     name -> why) for those that stay dense: under LINEAR_MIN_SPARSITY zeros,
     over MAX_LINEAR_WEIGHTS weights (their build would take minutes), or
-    over the build limits."""
+    over the build limits; and (node name -> GemvLayer) for those of the
+    dense ones that sparseconv.gemv takes (gemv.gemv_takes)."""
     import onnx
 
     consts = parsed.constants
@@ -331,6 +351,7 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
                              if vi.type.tensor_type.HasField("shape")}
     linears: Dict[str, ConvLayer] = {}
     dense: Dict[str, str] = {}
+    gemvs: Dict[str, GemvLayer] = {}
     for i, nd in enumerate(parsed.graph.node):
         if nd.op_type not in ("Gemm", "MatMul") or nd.domain not in ("", "ai.onnx") or len(nd.input) < 2 \
                 or nd.input[1] not in consts or consts[nd.input[1]].ndim != 2 or consts[nd.input[1]].dtype.kind != "f":
@@ -338,6 +359,7 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nd.attribute}
         b = consts[nd.input[1]]
         bias = None
+        as_is = nd.op_type == "Gemm" and bool(int(attrs.get("transB", 0)))  # B is already (out, in)
         if nd.op_type == "MatMul":
             if ranks.get(nd.input[0]) != 2:
                 continue  # batched or unknown rank: a matmul, not a Linear layer
@@ -364,7 +386,9 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str]]:
             dense[name] = linear_limits(shape).split(": ", 1)[-1]
         else:
             linears[name] = ConvLayer(name, weight, bias, shape)
-    return linears, dense
+        if name in dense and gemv_takes(weight.shape[0], weight.shape[1]):
+            gemvs[name] = GemvLayer(name, weight, bias, nd.input[1] if as_is and b.dtype == np.float32 else None)
+    return linears, dense, gemvs
 
 
 # --------------------------------------------------------------------------- execution
@@ -416,11 +440,14 @@ class UploadOnce:
 
 def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
             dtype: Any, constants: Optional[Dict[str, Any]] = None,
-            linear: Optional[Callable[[ConvLayer, Any], Any]] = None) -> List[Any]:
+            linear: Optional[Callable[[ConvLayer, Any], Any]] = None,
+            dense_linear: Optional[Callable[[GemvLayer, Any, Dict[str, Any]], Any]] = None) -> List[Any]:
     """Run the graph on input x with array module xp; conv(layer, x) computes
     each Conv, conv(layer, x, residual) a fused one that adds a residual, and
     linear(layer, x) each Gemm/MatMul of program.linears (without it they run
-    as OPS).
+    as OPS). dense_linear(layer, x, values) may compute a Gemm/MatMul of
+    program.gemv_layers (values: the graph's values so far, constants
+    included); where it returns None, the operator runs.
     constants: prepare_constants(program, xp, dtype), made once by the caller
     (SparseModel keeps its own on the GPU); None converts them for this call."""
     values: Dict[str, Any] = dict(prepare_constants(program, xp, dtype) if constants is None else constants)
@@ -433,8 +460,12 @@ def execute(program: OnnxProgram, x: Any, xp: Any, conv: Callable[..., Any],
             elif linear is not None and node.name in program.linears:
                 out = linear(program.linears[node.name], values[node.inputs[0]])
             else:
-                args = [values[i] if i else None for i in node.inputs]
-                out = OPS[node.op](xp, node, *args)
+                out = None
+                if dense_linear is not None and node.name in program.gemv_layers:
+                    out = dense_linear(program.gemv_layers[node.name], values[node.inputs[0]], values)
+                if out is None:
+                    args = [values[i] if i else None for i in node.inputs]
+                    out = OPS[node.op](xp, node, *args)
         except KeyError as exc:
             raise ModelError(f"{program.path}: node {node.name} ({node.op}): input {exc} is not produced "
                              "by any earlier node") from None
@@ -526,6 +557,7 @@ class SparseModel:
         self._graphs: Dict[Tuple[int, ...], Optional[CapturedForward]] = {}
         self._constants: Optional[Dict[str, Any]] = None  # on the GPU after the first call
         self._xp: Any = None
+        self._gemv_arrays: Dict[str, Tuple[Any, Any]] = {}  # GemvLayer name -> (weight, bias) on the GPU
 
     def kernel(self, name: str, batch: int) -> Any:
         """What runs Conv `name` at this batch size: its kernel, or cuDNN where the route says so."""
@@ -546,7 +578,30 @@ class SparseModel:
         if self._constants is None:
             self._constants = prepare_constants(self.program, cupy, cupy.float32)
             self._xp = UploadOnce(cupy)
-        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants, linear=self._conv)
+        return execute(self.program, x, self._xp, self._conv, cupy.float32, self._constants, linear=self._conv,
+                       dense_linear=self._gemv)
+
+    def _gemv(self, layer: GemvLayer, x: Any, values: Dict[str, Any]) -> Any:
+        """layer's x @ W.T + b through sparseconv.gemv, or None (the operator
+        runs) where the kernel does not take x: more than MAX_GEMV_BATCH rows,
+        not 2-D float32, or misaligned."""
+        import cupy
+
+        if x.ndim != 2 or x.dtype != cupy.float32 or x.shape[1] != layer.weight.shape[1]:
+            return None
+        x = cupy.ascontiguousarray(x)
+        if layer.name not in self._gemv_arrays:  # uploaded once (outside any capture: the warm-up runs first)
+            w = values.get(layer.weight_input) if layer.weight_input else None
+            if w is None or w.dtype != cupy.float32 or not w.flags.c_contiguous:
+                w = cupy.asarray(layer.weight)
+            bias = layer.bias if layer.bias is not None else np.zeros(layer.weight.shape[0], np.float32)
+            self._gemv_arrays[layer.name] = (w, cupy.asarray(bias, dtype=cupy.float32))
+        w, bias = self._gemv_arrays[layer.name]
+        if not gemv_supported(x.shape[0], x.shape[1], x.data.ptr, w.data.ptr):
+            return None
+        y = cupy.empty((x.shape[0], w.shape[0]), cupy.float32)
+        linear_gemv(x.device.id, x, w, bias, y)
+        return y
 
     def run(self, x: Any) -> List[Any]:
         """All graph outputs, as CuPy float32 arrays (asynchronous on the current stream)."""

@@ -204,7 +204,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them.
 
     gemv=True (default) runs each nn.Linear that stays dense (not compiled,
-    at least fx.MIN_GEMV_FEATURES outputs) through sparseconv.gemv's kernel
+    at least gemv.MIN_GEMV_FEATURES outputs) through sparseconv.gemv's kernel
     at batch <= 8 on CUDA float32 inputs: exact fp32, the weights streamed
     once (VGG-16's fc7 at batch 1: 39 -> 28 us against cuBLAS). Other calls
     run F.linear. `result.sparseconv_gemv` lists them."""

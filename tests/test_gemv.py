@@ -10,8 +10,8 @@ import torch
 from torch import fx, nn
 
 from sparseconv.compile import compile_to_ptx
-from sparseconv.fx import MIN_GEMV_FEATURES, GemvLinear, swap_dense_linears
-from sparseconv.gemv import MAX_GEMV_BATCH, WARPS_PER_BLOCK, GemvVariant, gemv_source
+from sparseconv.fx import GemvLinear, swap_dense_linears
+from sparseconv.gemv import MAX_GEMV_BATCH, MIN_GEMV_FEATURES, WARPS_PER_BLOCK, GemvVariant, gemv_source
 from sparseconv.shapes import Target
 
 from ptx_interpreter import run_kernel

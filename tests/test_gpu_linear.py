@@ -112,8 +112,8 @@ def test_sparsify_compiles_pruned_linears_and_routes_them(session_cache_dir):
 
 
 def test_runner_runs_gemm_and_matmul_as_kernels(tmp_path):
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
+    from onnx_models import save_model
 
     from sparseconv.runner import compile_model, run_reference
 
@@ -126,13 +126,7 @@ def test_runner_runs_gemm_and_matmul_as_kernels(tmp_path):
              helper.make_node("Gemm", ["f", "w1", "b1"], ["g"], name="fc1", transB=1),
              helper.make_node("Relu", ["g"], ["r"]),
              helper.make_node("MatMul", ["r", "w2"], ["out"], name="fc2")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = tmp_path / "m.onnx"
-    onnx.save(model, str(path))
+    path = save_model(tmp_path / "m.onnx", nodes, inits, ["N", 3, 6, 6])
     sparse = compile_model(path, cache_dir=str(tmp_path / "cache"))
     assert isinstance(sparse.kernels["fc1"], sparseconv.LinearKernel)
     assert "fc1: Gemm as Linear 144->64, sparseconv" in sparse.plan
@@ -141,3 +135,25 @@ def test_runner_runs_gemm_and_matmul_as_kernels(tmp_path):
         x = rng.standard_normal((batch, 3, 6, 6)).astype(np.float32)
         y = sparse(x).get()
         assert relative_l2(y, run_reference(sparse.program, x)[0]) <= TOL, batch
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_runner_streams_dense_heads_through_gemv(tmp_path, cuda_graph):
+    """`sparseconv run`'s dense Gemm (transB=1: its constant serves as is) and
+    MatMul (a transposed copy) of 1,000 outputs run sparseconv.gemv at batch
+    <= 8 and the operator above; float64 reference on fresh inputs."""
+    from onnx_models import dense_head
+
+    from sparseconv.gemv import MAX_GEMV_BATCH
+    from sparseconv.runner import compile_model, run_reference
+
+    rng = np.random.default_rng()
+    path, _ = dense_head(tmp_path, rng)
+    sparse = compile_model(path, cache_dir=str(tmp_path / "cache"), cuda_graph=cuda_graph, route_batches=None)
+    assert any(line.startswith("head2: MatMul, dense (sparseconv.gemv") for line in sparse.plan)
+    for batch in (1, 3, MAX_GEMV_BATCH, MAX_GEMV_BATCH + 1, 3):
+        x = rng.standard_normal((batch, 3, 4, 4)).astype(np.float32)
+        y = sparse(x).get()
+        assert relative_l2(y, run_reference(sparse.program, x)[0]) <= TOL, batch
+    assert sorted(sparse._gemv_arrays) == ["head1", "head2"]
+    assert sparse._gemv_arrays["head1"][0] is sparse._constants["w1"]  # the constant itself, not a copy

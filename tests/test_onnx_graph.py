@@ -18,7 +18,9 @@ from sparseconv.shapes import ANY_BATCH
 from sparseconv.testing import pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx import helper  # noqa: E402
+
+from onnx_models import save_model  # noqa: E402
 
 from sparseconv.runner import (SparseModel, UploadOnce, execute, compile_model, conv2d_dense,  # noqa: E402
                                load_program, prepare_constants, route_kernels)
@@ -50,15 +52,7 @@ def _graph(tmp_path):
         helper.make_node("Mul", ["z1", "c"], ["m1"]),
         helper.make_node("Reshape", ["m1", "shape"], ["out"]),
     ]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 6, 6])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = tmp_path / "g.onnx"
-    onnx.save(model, str(path))
-    return path
+    return save_model(tmp_path / "g.onnx", nodes, inits, ["N", 3, 6, 6])
 
 
 class _CountingNumPy:

@@ -17,20 +17,11 @@ from ptx_interpreter import run_kernel
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx import helper  # noqa: E402
+
+from onnx_models import dense_head, save_model as _save  # noqa: E402
 
 F32 = np.float32
-
-
-def _save(path, nodes, inits, in_shape):
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
 
 
 def _classifier(tmp_path, rng, conv=True):
@@ -149,3 +140,58 @@ def test_inspect_lists_the_linear_layers_run_compiles(tmp_path):
     assert "Linear 48->12" in lines["fc1"] and lines["fc1"].endswith("run: Linear kernel (not in `compile`)")
     assert "Linear 12->10" in lines["fc2"] and "Linear 10->6" in lines["fc3"]
     assert "run: dense, sparsity 0.000 < 0.5" in lines["dense_fc"] and "scaled" not in lines
+
+
+def test_dense_heads_that_gemv_takes_are_listed_with_their_weights(tmp_path):
+    path, w = dense_head(tmp_path, np.random.default_rng(5))
+    program = load_program(path)
+    assert sorted(program.dense_linears) == ["head1", "head2", "odd"]
+    assert sorted(program.gemv_layers) == ["head1", "head2"]  # odd: 999 inputs, not a multiple of 4
+    g1, g2 = program.gemv_layers["head1"], program.gemv_layers["head2"]
+    assert g1.weight_input == "w1" and np.shares_memory(g1.weight, program.constants["w1"])  # no host copy
+    assert g2.weight_input is None and np.array_equal(g2.weight, w["w2"].T) and g2.weight.flags.c_contiguous
+    np.testing.assert_array_equal(g1.bias, w["b1"])
+    plan = program.plan()
+    assert any(line.startswith("head1: Gemm, dense (sparseconv.gemv at batch <= 8, else CuPy matmul): sparsity")
+               for line in plan)
+    assert any(line.startswith("odd: Gemm, dense (CuPy matmul)") for line in plan)
+    r = CliRunner().invoke(main, ["inspect", str(path)])  # and `sparseconv inspect` says so
+    lines = {line.split()[0]: line for line in r.output.splitlines()[2:] if line.strip()}
+    assert "run: dense (sparseconv.gemv at batch <= 8), sparsity 0.000 < 0.5" in lines["head2"]
+    assert "run: dense, sparsity" in lines["odd"]
+
+
+@pytest.mark.nvcc
+def test_the_gemv_kernel_inside_the_runner(tmp_path):
+    """The runner's dense heads through the gemv kernel (PTX interpreter), the
+    rest as the runner runs them: equal to onnxruntime within fp32 rounding."""
+    from sparseconv.compile import compile_to_ptx
+    from sparseconv.gemv import WARPS_PER_BLOCK, GemvVariant, gemv_source
+    from sparseconv.shapes import Target
+
+    rng = np.random.default_rng(6)
+    path, _ = dense_head(tmp_path, rng)
+    program = load_program(path)
+    x = rng.standard_normal((2, 3, 4, 4)).astype(F32)
+    ptx = compile_to_ptx(gemv_source(2), Target(), "the gemv kernel")
+    ran = []
+
+    def dense_linear(layer, inp, values):
+        n, (out_f, in_f) = inp.shape[0], layer.weight.shape
+        y = np.full((n, out_f), np.nan, F32)
+        bias = layer.bias if layer.bias is not None else np.zeros(out_f, F32)
+        rows = WARPS_PER_BLOCK // GemvVariant().split
+        run_kernel(ptx, "sc_gemv", grid=(-(-out_f // rows), 1, 1), block=(WARPS_PER_BLOCK * 32, 1, 1),
+                   args=[np.ascontiguousarray(inp, F32), layer.weight, bias, y, in_f, out_f])
+        ran.append(layer.name)
+        return y
+
+    (y,) = execute(program, x, np, _conv_float32, np.float32, dense_linear=dense_linear)
+    (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert ran == ["head1", "head2"] and not np.isnan(y).any() and relative_l2(y, want) <= 1e-5
+
+
+def _conv_float32(layer, inp):
+    from sparseconv.runner import conv2d_dense
+
+    return conv2d_dense(layer, inp).astype(np.float32)

@@ -1,0 +1,46 @@
+"""Small ONNX models written with onnx.helper, shared by the runner's tests:
+save_model (one float input x, one output out, opset 17), and dense_head, a
+model with dense classifier heads wide enough for sparseconv.gemv
+(test_runner_linear.py on the CPU, test_gpu_linear.py on the GPU)."""
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from sparseconv.testing import pruned_weight
+
+F32 = np.float32
+
+
+def save_model(path: Path, nodes: List[Any], inits: Dict[str, Any], in_shape: Sequence[Any]) -> Path:
+    """Write nodes and initializers as a model with input x of in_shape and output out."""
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_shape))],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return Path(path)
+
+
+def dense_head(folder: Path, rng: np.random.Generator) -> Tuple[Path, Dict[str, np.ndarray]]:
+    """Conv -> Flatten -> dense Gemm transB=1 (1,000 outputs, its B already
+    (out, in)) -> Relu -> dense MatMul (1,000 outputs, B (in, out)) -> Slice to
+    999 -> dense Gemm with 999 inputs (not a multiple of 4: stays an operator).
+    Returns the file and its initializers."""
+    inits = {"wc": pruned_weight(rng, (4, 3, 3, 3), 0.5),
+             "w1": (rng.standard_normal((1000, 64)) / 8).astype(F32), "b1": rng.standard_normal(1000).astype(F32),
+             "w2": (rng.standard_normal((1000, 1000)) / 32).astype(F32),
+             "w3": (rng.standard_normal((1000, 999)) / 32).astype(F32),
+             "s0": np.array([0], np.int64), "s1": np.array([999], np.int64), "s2": np.array([1], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["f"]),
+             helper.make_node("Gemm", ["f", "w1", "b1"], ["g1"], name="head1", transB=1),
+             helper.make_node("Relu", ["g1"], ["r1"]),
+             helper.make_node("MatMul", ["r1", "w2"], ["g2"], name="head2"),
+             helper.make_node("Slice", ["g2", "s0", "s1", "s2"], ["g2s"]),
+             helper.make_node("Gemm", ["g2s", "w3"], ["out"], name="odd", transB=1)]
+    return save_model(Path(folder) / "head.onnx", nodes, inits, ["N", 3, 4, 4]), inits
