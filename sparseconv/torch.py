@@ -210,9 +210,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     run F.linear. `result.sparseconv_gemv` lists them."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
-    if not isinstance(linear, bool):
-        raise TypeError(f"sparsify: linear must be True or False, got {linear!r}")
-    for option, value in (("pools", pools), ("gemv", gemv)):
+    for option, value in (("linear", linear), ("pools", pools), ("gemv", gemv)):
         if not isinstance(value, bool):
             raise TypeError(f"sparsify: {option} must be True or False, got {value!r}")
     if max_linear_weights is not None and (isinstance(max_linear_weights, bool) or
