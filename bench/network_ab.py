@@ -33,6 +33,9 @@ Rules (each was measured this way before it landed):
   gemv              dense nn.Linear layers of 1,000+ features at batch <= 8
                     through sparseconv.gemv (gemv.MIN_GEMV_FEATURES), not
                     cuBLAS's F.linear
+  table             convs at batch <= 8 timed through the weight-table family
+                    too (sparseconv.table, routed by measurement), not only
+                    the code and cuDNN
 """
 from __future__ import annotations
 
@@ -80,10 +83,16 @@ def without_gemv() -> None:
     gemv.MIN_GEMV_FEATURES = 1 << 62  # no layer is that wide: gemv_takes refuses every one
 
 
+def without_table() -> None:
+    import sparseconv.torch as sc_torch
+
+    sc_torch.MAX_TABLE_BATCH = 0  # looked up at call time by route_by_batch: no batch is timed on the table
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
-         "gemv": without_gemv}
+         "gemv": without_gemv, "table": without_table}
 
 
 def main() -> None:

@@ -40,6 +40,8 @@ def category(name: str) -> str:
         return "sparseconv"
     if name.startswith("sc_reduce"):
         return "reduce"
+    if name.startswith("sc_table_conv"):
+        return "table"
     low = name.lower()
     if any(k in low for k in ("cudnn", "conv", "gemm", "sm90", "cutlass", "xmma", "implicit")):
         return "cudnn/cublas"
@@ -47,23 +49,31 @@ def category(name: str) -> str:
 
 
 def attribute_kernels(kernels: Sequence[Tuple[str, float]], calls: Sequence[Tuple[str, str]]) -> Dict[str, float]:
-    """µs of each sparseconv-path layer inside the network: `kernels` is one
+    """µs of each layer on a path of ours inside the network: `kernels` is one
     forward's (kernel name, µs) in launch order, `calls` the kernel nodes'
     (layer, path) in call order. The i-th sc_conv2d kernel belongs to the i-th
-    call on the sparseconv path, and an sc_reduce_slices kernel to the
-    sc_conv2d kernel before it."""
-    ours = [name for name, path in calls if path == "sparseconv"]
-    convs = sum(1 for name, _ in kernels if name.startswith("sc_conv2d"))
-    if convs != len(ours):
-        raise ValueError(f"{convs} sc_conv2d kernels but {len(ours)} layers on the sparseconv path")
+    call on the sparseconv path, the i-th sc_table_conv kernel to the i-th on
+    the table path, and an sc_reduce_slices kernel to the sc_conv2d kernel
+    before it."""
+    kernel_path = {"sc_conv2d": "sparseconv", "sc_table_conv": "table"}
+    layers = {path: [name for name, p in calls if p == path] for path in kernel_path.values()}
+    for prefix, path in kernel_path.items():
+        launched = sum(1 for name, _ in kernels if name.startswith(prefix))
+        if launched != len(layers[path]):
+            raise ValueError(f"{launched} {prefix} kernels but {len(layers[path])} layers on the {path} path")
     out: Dict[str, float] = {}
-    i = -1
+    seen = {path: -1 for path in kernel_path.values()}
+    last_conv = None
     for name, us in kernels:
-        if name.startswith("sc_conv2d"):
-            i += 1
-            out[ours[i]] = out.get(ours[i], 0.0) + us
-        elif name.startswith("sc_reduce") and i >= 0:
-            out[ours[i]] += us
+        prefix = next((p for p in kernel_path if name.startswith(p)), None)
+        if prefix is not None:
+            path = kernel_path[prefix]
+            seen[path] += 1
+            layer = layers[path][seen[path]]
+            out[layer] = out.get(layer, 0.0) + us
+            last_conv = layer if path == "sparseconv" else None
+        elif name.startswith("sc_reduce") and last_conv is not None:
+            out[last_conv] += us
     return out
 
 
@@ -131,12 +141,13 @@ def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[
 
 def routed_sum_us(plan: List[str], batch: int) -> float:
     """Sum over the compiled convs of the faster path's time at `batch`, as
-    routing measured it (the plan's "batch B: sparseconv S us, cuDNN fp32 D us")."""
+    routing measured it (the plan's "batch B: sparseconv S us, [table T us, ]cuDNN fp32 D us")."""
     total = 0.0
     for line in plan:
-        for b, sparse, dense in re.findall(r"batch (\d+): sparseconv ([\d.]+) us, cuDNN fp32 ([\d.]+) us", line):
+        for b, sparse, table, dense in re.findall(
+                r"batch (\d+): sparseconv ([\d.]+) us, (?:table ([\d.]+) us, )?cuDNN fp32 ([\d.]+) us", line):
             if int(b) == batch:
-                total += min(float(sparse), float(dense))
+                total += min(float(sparse), float(dense), float(table) if table else float("inf"))
     return total
 
 

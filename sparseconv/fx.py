@@ -87,14 +87,17 @@ class _KernelNode(nn.Module):
         self.activation, self.clip = activation, clip
         self.layer_name, self.fused = name, fused
         self.kernel: Any = None      # the sparseconv kernel, attached after compiling
-        # (up to batch size, "sparseconv" or "dense"), ascending, the last for any
-        # batch: which path runs a CUDA input of that batch (set by
+        # FusedConv2d only: the weight-table kernel (sparseconv.table), attached
+        # where routing timed it, kept where some batch size takes it
+        self.table: Any = None
+        # (up to batch size, "sparseconv", "table" or "dense"), ascending, the
+        # last for any batch: which path runs a CUDA input of that batch (set by
         # sparseconv.torch.sparsify from measurements). Empty: the kernel always.
         self.route: List[Tuple[int, str]] = []
         self._streams: Dict[int, Any] = {}
 
     def path(self, batch: int) -> str:
-        """"sparseconv" or "dense": the path a CUDA input of this batch size takes."""
+        """"sparseconv", "table" or "dense": the path a CUDA input of this batch size takes."""
         for up_to, path in self.route:
             if batch <= up_to:
                 return path
@@ -146,9 +149,12 @@ class FusedConv2d(_KernelNode):
                             "residual input")
         if self.kernel is None or not x.is_cuda:
             return self.reference(x, residual)
-        if self.path(x.shape[0]) == "dense":
+        path = self.path(x.shape[0])
+        if path == "dense":
             return self._run_dense(x, residual)
-        return self._run_kernel(x, residual)
+        if path == "table" and self.table is not None:
+            return self._run_kernel(x, residual, self.table)
+        return self._run_kernel(x, residual, self.kernel)
 
     def _run_dense(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """cuDNN in strict fp32 (TF32 off whatever the global setting), where it
@@ -156,10 +162,11 @@ class FusedConv2d(_KernelNode):
         with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
             return self.reference(x.detach(), None if residual is None else residual.detach())
 
-    def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor], kernel: Any) -> torch.Tensor:
+        """Through `kernel`: the sparseconv kernel, or the weight table."""
         import cupy
 
-        s = self.kernel.shape
+        s = kernel.shape
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError(f"{self.layer_name}: sparseconv kernels are inference-only (no backward); run the "
                                "model under torch.no_grad() or torch.inference_mode()")
@@ -168,10 +175,10 @@ class FusedConv2d(_KernelNode):
         if x.dim() != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
             raise ValueError(f"{self.layer_name}: compiled for inputs (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
                              f"got {tuple(x.shape)}; call sparsify again with an example of this size")
-        if x.device.index != self.kernel.device_id:
+        if x.device.index != kernel.device_id:
             raise ValueError(f"{self.layer_name}: input on {x.device}, kernel loaded on "
-                             f"cuda:{self.kernel.device_id}")
-        out_shape = self.kernel.output_shape(x.shape[0])
+                             f"cuda:{kernel.device_id}")
+        out_shape = kernel.output_shape(x.shape[0])
         if residual is not None:
             if tuple(residual.shape) != tuple(out_shape) or residual.dtype != torch.float32 \
                     or residual.device != x.device:
@@ -186,7 +193,7 @@ class FusedConv2d(_KernelNode):
             # and so capturable in a CUDA graph.
             with cupy.cuda.Device(x.device.index), self._cupy_stream(x.device):
                 kwargs = {} if residual is None else {"residual": cupy.from_dlpack(residual)}
-                self.kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out), **kwargs)
+                kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out), **kwargs)
         return out
 
     def extra_repr(self) -> str:

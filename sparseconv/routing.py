@@ -1,7 +1,9 @@
 """Routing by measurement, shared by sparsify (torch.py) and the ONNX runner.
 
 A layer is timed through its sparseconv kernel and through cuDNN strict fp32
-at the batch sizes the user names; each batch size then runs the faster path.
+at the batch sizes the user names, and at small batches through the weight
+table (sparseconv.table) where the caller has one; each batch size then runs
+the fastest path.
 A route is [(up to batch, path), ...] ascending, the last entry for any batch.
 The timing itself belongs to the caller (torch graphs for FusedConv2d, CuPy
 graphs for the runner's kernels): here only the choice and its text.
@@ -10,11 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .shapes import ANY_BATCH
 
-SPARSE, DENSE = "sparseconv", "dense"
+SPARSE, DENSE, TABLE = "sparseconv", "dense", "table"
 Route = List[Tuple[int, str]]
 
 
@@ -48,6 +50,7 @@ class RouteChoice:
     route: Tuple[Tuple[int, str], ...]
     times_us: Tuple[Tuple[int, float, float], ...]  # (batch, sparseconv us, cuDNN fp32 us)
     note: str = ""  # how it was timed, where that differs from the usual
+    table_us: Tuple[Tuple[int, float], ...] = ()  # (batch, weight table us) where it was timed
 
     def path(self, batch: int) -> str:
         return path_for(self.route, batch)
@@ -59,7 +62,10 @@ class RouteChoice:
         return "mixed" if len(paths) > 1 else paths.pop()
 
     def describe(self) -> str:
-        text = "; ".join(f"batch {b}: sparseconv {s:.1f} us, cuDNN fp32 {d:.1f} us" for b, s, d in self.times_us)
+        table = dict(self.table_us)
+        text = "; ".join(f"batch {b}: sparseconv {s:.1f} us, "
+                         + (f"table {table[b]:.1f} us, " if b in table else "")
+                         + f"cuDNN fp32 {d:.1f} us" for b, s, d in self.times_us)
         return f"{text} ({self.note})" if self.note else text
 
     def describe_route(self) -> str:
@@ -67,17 +73,24 @@ class RouteChoice:
 
 
 def choose_route(time_both: Callable[[int], Tuple[float, float]], batches: Sequence[int],
-                 note: str = "") -> RouteChoice:
+                 note: str = "", time_table: Optional[Callable[[int], Optional[float]]] = None) -> RouteChoice:
     """Time both paths at each batch size (time_both(batch) -> (sparseconv us,
-    cuDNN fp32 us), measured alike) and route each to the faster; a tie keeps
-    the kernel."""
-    times = []
+    cuDNN fp32 us), measured alike), and the weight table where time_table
+    (batch) gives a time (None: not timed at that batch); route each batch
+    to the fastest. A tie keeps the kernel, then the table."""
+    times, table_times = [], []
     choices = []
     for b in sorted(set(int(b) for b in batches)):
         sparse, dense = time_both(b)
         times.append((b, sparse, dense))
-        choices.append((b, DENSE if dense < sparse else SPARSE))
-    return RouteChoice(tuple(route_from_choices(choices)), tuple(times), note)
+        candidates = [(sparse, SPARSE), (dense, DENSE)]
+        table = time_table(b) if time_table is not None else None
+        if table is not None:
+            table_times.append((b, table))
+            candidates.insert(1, (table, TABLE))
+        best = min(t for t, _ in candidates)
+        choices.append((b, next(path for t, path in candidates if t == best)))
+    return RouteChoice(tuple(route_from_choices(choices)), tuple(times), note, tuple(table_times))
 
 
 def check_route_batches(route_batches: object, who: str) -> None:

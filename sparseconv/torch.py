@@ -30,6 +30,7 @@ from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearO
                  swap_dense_linears, swap_max_pools, swap_modules)
 from .routing import choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
+from .table import MAX_TABLE_BATCH, TableConv2d, table_supported
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
@@ -103,13 +104,16 @@ def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[
 
 
 def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.device,
-                   progress: bool = False) -> Dict[str, str]:
+                   progress: bool = False, table: bool = True) -> Dict[str, str]:
     """Time each compiled conv (FusedConv2d) or Linear (FusedLinear; the dense
     path is cuBLAS's F.linear) at each batch size through both paths, its
     sparseconv kernel and cuDNN in strict fp32, epilogue included, by CUDA-graph
-    replays; set its route so each batch size runs the faster one (a batch
-    between two measured ones takes the nearer one's, geometrically).
-    Returns name -> the measurements and the choice, as text for the plan.
+    replays, and a conv at batches up to MAX_TABLE_BATCH also through the
+    weight table (sparseconv.table; `table` False: not); set its route so each
+    batch size runs the fastest (a batch between two measured ones takes the
+    nearer one's, geometrically). A conv keeps its table kernel only where
+    the route takes it. Returns name -> the measurements and the choice, as
+    text for the plan.
 
     Each call is timed as a network would meet it: L2 overwritten first (our
     kernel's code and cuDNN's weights no longer in it), then the inputs read
@@ -128,7 +132,8 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]
     for i, (name, m) in enumerate(items):
         if progress:
-            click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
+            paths = "sparseconv, table" if table else "sparseconv"
+            click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
         s = m.kernel.shape
 
         def time_both(b: int) -> Tuple[float, float]:
@@ -142,8 +147,23 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
                                     capture=torch_graph).us)
             return us[0], us[1]
 
-        choice = choose_route(time_both, sizes)
+        def time_table(b: int) -> Optional[float]:
+            if m.table is None or b > MAX_TABLE_BATCH:
+                return None
+            x = torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
+            r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+            m.route = [(ANY_BATCH, "table")]
+            return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                             capture=torch_graph).us
+
+        if table and isinstance(m, FusedConv2d) and table_supported(s) is None and min(sizes) <= MAX_TABLE_BATCH:
+            import cupy
+            with cupy.cuda.Device(device.index):
+                m.table = TableConv2d(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, name=name)
+        choice = choose_route(time_both, sizes, time_table=time_table)
         m.route = list(choice.route)
+        if all(path != "table" for _, path in m.route):
+            m.table = None
         # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
         notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
             else choice.describe()
@@ -158,7 +178,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
              inplace: bool = False, fuse: bool = True, cuda_graph: bool = False,
              route_batches: Optional[Sequence[int]] = (1, 64), linear: bool = True,
              max_linear_weights: Optional[int] = MAX_LINEAR_WEIGHTS, pools: bool = True,
-             gemv: bool = True) -> nn.Module:
+             gemv: bool = True, table: bool = True) -> nn.Module:
     """Return `model` with each eligible nn.Conv2d (and pruned nn.Linear)
     compiled to a sparseconv kernel.
 
@@ -187,6 +207,12 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     convolution at the sizes you name; the plan shows the times ("mixed":
     the choice depends on the batch). None or () turns this off.
 
+    table=True (default) also times each conv, at the route_batches of at
+    most table.MAX_TABLE_BATCH images, through the weight-table family
+    (sparseconv.table: the nonzero weights read as data instead of fetched
+    as code, ~1.5-2x faster on ResNet-50's 7x7 and 14x14 layers at batch 1)
+    and routes those batch sizes to it where it is the fastest.
+
     linear=True (default) also compiles each nn.Linear that is called once on
     2-D (N, in_features) inputs and has at least max(min_sparsity, 0.5) of its
     weights zero (api.LINEAR_MIN_SPARSITY: unpruned heads are left alone and
@@ -210,7 +236,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     run F.linear. `result.sparseconv_gemv` lists them."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
-    for option, value in (("linear", linear), ("pools", pools), ("gemv", gemv)):
+    for option, value in (("linear", linear), ("pools", pools), ("gemv", gemv), ("table", table)):
         if not isinstance(value, bool):
             raise TypeError(f"sparsify: {option} must be True or False, got {value!r}")
     if max_linear_weights is not None and (isinstance(max_linear_weights, bool) or
@@ -241,7 +267,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     for name, m in convs.items():
         m.to(device)
         m.kernel = kernels[name]
-    routed = route_by_batch(convs, route_batches, device, progress) if route_batches else {}
+    routed = route_by_batch(convs, route_batches, device, progress, table) if route_batches else {}
     plans = front.plans
     for i, p in enumerate(plans):
         k = kernels.get(p.name)

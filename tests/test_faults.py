@@ -697,9 +697,9 @@ def test_sparsify_refuses_bad_route_batches(route_batches):
         sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
 
 
-@pytest.mark.parametrize("option", ["pools", "gemv"])
+@pytest.mark.parametrize("option", ["pools", "gemv", "table"])
 @pytest.mark.parametrize("value", ["yes", 1, None])
-def test_sparsify_refuses_a_pools_or_gemv_option_that_is_not_a_bool(option, value):
+def test_sparsify_refuses_a_pools_gemv_or_table_option_that_is_not_a_bool(option, value):
     torch = pytest.importorskip("torch")
     import sparseconv.torch as sct
 
@@ -787,7 +787,7 @@ def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path
 
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
-     "wide-direct-chunks, whole-image-split, large-image-blocks, gemv"),
+     "wide-direct-chunks, whole-image-split, large-image-blocks, gemv, table"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])

@@ -52,21 +52,47 @@ def test_the_landed_rules_and_each_switched_off():
     assert variants("large-image-blocks") == (16, "cluster", "direct", "cluster", 4, pw, 64)
 
 
-GEMV_PROBE = """
+SWITCHES = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("network_ab", "bench/network_ab.py")
 ab = importlib.util.module_from_spec(spec); spec.loader.exec_module(ab)
 for name in sys.argv[1:]:
     ab.RULES[name]()
-from torch import nn
-from sparseconv.fx import swap_dense_linears
-print(swap_dense_linears(nn.Sequential(nn.Linear(2048, 1000), nn.Linear(1000, 4096))))
 """
 
 
+def printed(code: str, *without: str) -> str:
+    """What `code` prints after bench/network_ab.py switched off the rules `without`, in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-c", SWITCHES + code, *without], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 def test_the_gemv_switch_leaves_every_dense_linear_to_cublas():
-    def swapped(*without):
-        return subprocess.run([sys.executable, "-c", GEMV_PROBE, *without], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    assert swapped() == "['0', '1']"
-    assert swapped("gemv") == "[]"
+    code = ("from torch import nn\nfrom sparseconv.fx import swap_dense_linears\n"
+            "print(swap_dense_linears(nn.Sequential(nn.Linear(2048, 1000), nn.Linear(1000, 4096))))")
+    assert printed(code) == "['0', '1']"
+    assert printed(code, "gemv") == "[]"
+
+
+def test_the_table_switch_times_no_batch_on_the_table():
+    code = "import sparseconv.torch as sct\nprint(sct.MAX_TABLE_BATCH)"
+    assert printed(code) == "8"
+    assert printed(code, "table") == "0"
+
+
+def test_network_profile_attributes_kernels_and_sums_routes_with_the_table():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("network_profile", ROOT / "bench" / "network_profile.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    kernels = [("sc_conv2d_a", 5.0), ("sc_reduce_slices", 2.0), ("sc_table_conv", 3.0), ("max_pool", 1.0),
+               ("sc_conv2d_b", 4.0), ("sc_table_conv", 6.0)]
+    calls = [("conv1", "sparseconv"), ("conv2", "table"), ("conv3", "dense"), ("conv4", "sparseconv"),
+             ("conv5", "table")]
+    assert prof.attribute_kernels(kernels, calls) == {"conv1": 7.0, "conv2": 3.0, "conv4": 4.0, "conv5": 6.0}
+    assert prof.category("sc_table_conv") == "table"
+    plan = ["conv1: mixed relu batch 1: sparseconv 25.0 us, table 15.0 us, cuDNN fp32 160.0 us; "
+            "batch 64: sparseconv 170.0 us, cuDNN fp32 660.0 us",
+            "conv2: sparseconv relu batch 1: sparseconv 5.0 us, cuDNN fp32 9.0 us"]
+    assert prof.routed_sum_us(plan, 1) == 20.0 and prof.routed_sum_us(plan, 64) == 170.0

@@ -1,0 +1,146 @@
+"""sparseconv.table, the weight-table family: the table holds every nonzero
+weight once and nothing else; the kernel, compiled by nvcc as NVRTC compiles
+it at run time, run in the PTX interpreter (CPU) against float64 for strides,
+padding, dilation, tails and every epilogue; the tiling rule; and routing's
+choice among the kernel, the table and cuDNN."""
+
+import numpy as np
+import pytest
+
+from sparseconv.compile import compile_to_ptx
+from sparseconv.routing import TABLE, choose_route
+from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
+from sparseconv.table import (FEW_BLOCKS, TableTiling, table_grid, table_source, table_supported, table_tiling,
+                              weight_table)
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
+
+from ptx_interpreter import run_kernel
+
+SHAPES = {
+    "3x3-pad1": ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)),
+    "1x1-stride2": ConvShape(8, 3, 9, 9, 1, 1, stride=(2, 2)),
+    "3x3-dilated-nonsquare": ConvShape(4, 3, 9, 6, 3, 3, padding=(2, 2), dilation=(2, 2)),
+    "5x3-stride2-pad": ConvShape(3, 2, 11, 8, 5, 3, stride=(2, 2), padding=(2, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_table_holds_each_nonzero_weight_once_in_order(name):
+    shape = SHAPES[name]
+    w = pruned_weight(np.random.default_rng(0), shape.weight_shape, 0.7)
+    entries, starts = weight_table(w, shape)
+    taps = shape.kernel_h * shape.kernel_w
+    assert entries.dtype == starts.dtype == np.int32
+    assert entries.shape == (np.count_nonzero(w), 2) and starts.shape == (shape.out_channels, taps + 1)
+    flat = starts.ravel()
+    assert flat[0] == 0 and starts[-1, -1] == len(entries) and np.all(np.diff(starts, axis=1) >= 0)
+    assert np.all(starts[1:, 0] == starts[:-1, -1])  # channel k + 1 starts where k ends
+    # rebuild the weight from the table: every nonzero where it belongs, nothing else
+    rebuilt = np.zeros_like(w)
+    plane = shape.in_h * shape.in_w * 4
+    for k in range(shape.out_channels):
+        for t in range(taps):
+            part = entries[starts[k, t]:starts[k, t + 1]]
+            c = part[:, 0] // plane
+            assert np.all(part[:, 0] % plane == 0) and np.all(np.diff(c) > 0)  # ascending channels
+            rebuilt[k, c, t // shape.kernel_w, t % shape.kernel_w] = part[:, 1].view(np.float32)
+    np.testing.assert_array_equal(rebuilt, w)
+
+
+def test_weight_table_refuses_a_weight_of_the_wrong_shape():
+    shape = SHAPES["3x3-pad1"]
+    with pytest.raises(ValueError, match=r"must have shape \(5, 6, 3, 3\)"):
+        weight_table(np.zeros((5, 6, 1, 1), np.float32), shape)
+
+
+def test_an_all_zero_weight_gives_an_empty_table():
+    shape = SHAPES["3x3-pad1"]
+    entries, starts = weight_table(np.zeros(shape.weight_shape, np.float32), shape)
+    assert entries.shape == (0, 2) and not starts.any()
+
+
+def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
+    entries, starts = weight_table(w, shape)
+    if not len(entries):
+        entries = np.zeros((1, 2), np.int32)
+    out = np.full((x.shape[0], shape.out_channels, shape.out_h, shape.out_w), 12345.0, np.float32)
+    ptx = compile_to_ptx(table_source(shape, tiling, epilogue), Target(), "the table kernel")
+    run_kernel(ptx, "sc_table_conv", grid=table_grid(shape, tiling, x.shape[0]), block=(32 * tiling.warps, 1, 1),
+               args=[x, entries, starts, bias, residual if residual is not None else np.zeros(1, np.float32), out])
+    return out
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name,tiling,batch", [
+    ("3x3-pad1", TableTiling(2, 4), 1),
+    ("1x1-stride2", TableTiling(1, 2), 2),
+    ("3x3-dilated-nonsquare", TableTiling(1, 4), 1),
+    ("5x3-stride2-pad", TableTiling(2, 8), 2),  # 8 warps share 4-entry taps: some warps get none
+])
+def test_the_kernel_computes_the_conv(name, tiling, batch):
+    shape = SHAPES[name]
+    rng = np.random.default_rng(1)
+    w = pruned_weight(rng, shape.weight_shape, 0.7)
+    x = rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    out = run_table_kernel(shape, tiling, Epilogue(), x, w, bias)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation)
+    assert relative_l2(out, ref) < 1e-6
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("epilogue", [Epilogue("relu"), Epilogue("relu6", residual=True),
+                                      Epilogue("clip", clip=(-0.5, 0.25)), Epilogue("clip", clip=(-np.inf, 0.1))],
+                         ids=["relu", "add+relu6", "clip", "clip-no-lower"])
+def test_the_epilogue_is_applied_at_the_store(epilogue):
+    shape = SHAPES["3x3-pad1"]
+    rng = np.random.default_rng(2)
+    w = pruned_weight(rng, shape.weight_shape, 0.7)
+    x = rng.standard_normal((1, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    bias[1] = np.nan  # NaN stays NaN through the clamp, as in torch
+    res = rng.standard_normal((1, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
+        if epilogue.residual else None
+    out = run_table_kernel(shape, TableTiling(2, 2), epilogue, x, w, bias, res)
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding)
+    if res is not None:
+        ref = ref + res
+    lo, hi = epilogue.bounds
+    lo, hi = -np.inf if lo is None else lo, np.inf if hi is None else hi
+    ref = np.where(ref < lo, lo, np.where(ref > hi, hi, ref))  # NaN compares false: kept
+    assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.isnan(out).any()
+    finite = ~np.isnan(ref)
+    assert relative_l2(out[finite], ref[finite]) < 1e-6
+
+
+def test_table_source_refuses_what_the_family_does_not_take():
+    grouped = ConvShape(4, 4, 5, 5, 3, 3, groups=2)
+    assert "grouped" in table_supported(grouped)
+    with pytest.raises(ValueError, match="grouped"):
+        table_source(grouped, TableTiling())
+    assert table_supported(SHAPES["3x3-pad1"]) is None
+    for bad in (dict(pixels_per_lane=0), dict(warps=3)):
+        with pytest.raises(ValueError):
+            TableTiling(**bad)
+
+
+def test_the_tiling_rule_gives_few_blocks_more_warps():
+    layer4_conv1 = ConvShape(2048, 512, 7, 7, 1, 1)       # 512 blocks at batch 1
+    downsample = ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2))  # 2,048 blocks
+    assert table_grid(layer4_conv1, TableTiling(2, 8), 1) == (1, 512, 1)
+    assert table_tiling(layer4_conv1) == TableTiling(2, 8)
+    assert table_tiling(downsample) == TableTiling(2, 4)
+    assert FEW_BLOCKS < 2048
+
+
+def test_routing_takes_the_table_where_it_is_fastest():
+    times = {1: (25.0, 160.0), 64: (170.0, 660.0)}
+    table = {1: 15.0}
+    choice = choose_route(lambda b: times[b], [1, 64], time_table=lambda b: table.get(b))
+    assert choice.route == ((8, TABLE), (ANY_BATCH, "sparseconv"))
+    assert choice.table_us == ((1, 15.0),)
+    assert "batch 1: sparseconv 25.0 us, table 15.0 us, cuDNN fp32 160.0 us" in choice.describe()
+    assert "batch 64: sparseconv 170.0 us, cuDNN fp32 660.0 us" in choice.describe()
+    # a tie keeps the kernel; cuDNN still wins where it is fastest
+    assert choose_route(lambda b: (3.0, 9.0), [1], time_table=lambda b: 3.0).route == ((ANY_BATCH, "sparseconv"),)
+    assert choose_route(lambda b: (3.0, 1.0), [1], time_table=lambda b: 2.0).route == ((ANY_BATCH, "dense"),)
