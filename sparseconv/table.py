@@ -12,14 +12,15 @@ layer takes the table only at the batch sizes where it measured faster
 (sparseconv.torch.route_by_batch).
 
 The table is the specialisation: `weight_table` keeps each nonzero weight
-once, as an 8-byte entry (byte offset of its input channel, value), sorted by
-(output channel, tap, input channel); zero weights have no entry. The kernel
-is compiled per layer shape and epilogue (NVRTC, cached by CuPy), never per
-weight set.
+once, as an 8-byte entry (where its input sits from an output pixel's
+receptive field, with its tap; its value), sorted by (output channel, input
+channel, tap); zero weights have no entry. The kernel is compiled per layer
+shape and epilogue (NVRTC, cached by CuPy), never per weight set.
 
 Each block computes 32 * J pixels of one output channel of one image. Its
-WS warps split each tap's entries; a warp loads an entry once (one address
-for all lanes) and applies it to J pixels a lane. The warps' partial sums
+WS warps split the channel's entries; a warp loads an entry once (one
+address for all lanes) and applies it to J pixels a lane, each lane testing
+the entry's tap against a bit mask of its pixels' taps inside the image. The warps' partial sums
 are added in warp order in shared memory: a fixed summation order, so
 results are the same run to run. Bias, residual and the clamp are applied
 at the store, as in the other families.
@@ -33,13 +34,22 @@ import numpy as np
 
 from .shapes import ConvShape, Epilogue
 
+# An entry's first word (unsigned): the byte offset of its weight's input
+# (channel and tap) shifted up by TAP_BITS, the tap in the bits below (the
+# bounds test).
+TAP_BITS = 6
+MAX_TAPS = 1 << TAP_BITS
 # Batches the table is timed at by routing: beyond a few images the code
 # family shares each fetched instruction among enough pixels to win.
 MAX_TABLE_BATCH = 8
-# Below this many blocks a layer gets 8 warps a block, else 4: ~4-8 thousand
-# warps won on the probe (layer4.1.conv1: 512 blocks, 8 warps 8.1 us cold vs
-# 4 warps 11.1; layer4.0.downsample: 2,048 blocks, 4 warps 12.2 vs 8 warps 14.1).
+# The rule for the warps a block (table_tiling), from the probe
+# (bench/weight_table_probe.py, H100, session 21, run y): 8 warps where a
+# warp would otherwise walk more than LONG_SHARE entries of its channel
+# (VGG-16 conv5_2, 461 a channel: 29 us against 35 with 4 warps) or the grid
+# has at most FEW_BLOCKS blocks (ResNet-50 layer3.1.conv1: 6.0 against 7.6);
+# else 4 (layer4.0.downsample, 2,048 blocks of 102 entries: 12.4 against 14.2).
 FEW_BLOCKS = 1024
+LONG_SHARE = 64
 
 
 @dataclass(frozen=True)
@@ -64,41 +74,48 @@ def table_supported(shape: ConvShape) -> Optional[str]:
     """None if the table family takes this layer, else why not."""
     if shape.groups != 1:
         return "grouped convs are not supported by the table family"
-    if shape.in_channels * shape.in_h * shape.in_w * 4 >= 2 ** 31:
-        return "an image's input exceeds 2 GiB (entries hold 32-bit byte offsets)"
+    if shape.kernel_h * shape.kernel_w > MAX_TAPS:
+        return f"more than {MAX_TAPS} taps (an entry's tap field has {TAP_BITS} bits)"
+    if shape.in_channels * shape.in_h * shape.in_w * 4 >= 1 << (32 - TAP_BITS):
+        return (f"an image's input exceeds 2^{32 - TAP_BITS} bytes (an entry holds its byte offset and its tap "
+                "in 32 bits)")
     return None
 
 
-def table_tiling(shape: ConvShape, batch: int = 1) -> TableTiling:
-    """The rule (probe: bench/weight_table_probe.py, H100, session 21): 2
-    pixels a lane; 8 warps a block where the grid has few blocks, else 4."""
+def table_tiling(shape: ConvShape, batch: int = 1, nonzeros: Optional[int] = None) -> TableTiling:
+    """The rule (see LONG_SHARE): 2 pixels a lane; 8 warps a block where 4
+    would each walk more than LONG_SHARE of a channel's entries or the grid
+    is small, else 4. nonzeros: the layer's nonzero weights (None: 10%)."""
+    if nonzeros is None:
+        nonzeros = shape.out_channels * shape.in_channels * shape.kernel_h * shape.kernel_w // 10
     blocks = -(-shape.out_h * shape.out_w // 64) * shape.out_channels * batch
-    return TableTiling(2, 8 if blocks <= FEW_BLOCKS else 4)
+    long_share = nonzeros / shape.out_channels / 4 > LONG_SHARE
+    return TableTiling(2, 8 if long_share or blocks <= FEW_BLOCKS else 4)
 
 
 def weight_table(weight: np.ndarray, shape: ConvShape) -> Tuple[np.ndarray, np.ndarray]:
-    """(entries, starts) of a (K, C, R, S) weight: entries int32 (E, 2), each
-    (4 * c * H * W, the weight's float32 bits), one per nonzero weight, sorted
-    by (k, tap r * S + s, c); starts int32 (K, R * S + 1): the entries of
-    output channel k and tap t are entries[starts[k, t]:starts[k, t + 1]]."""
+    """(entries, starts) of a (K, C, R, S) weight: entries int32 (E, 2), one
+    per nonzero weight, sorted by (k, c, tap r * S + s); starts int32 (K + 1,):
+    output channel k's entries are entries[starts[k]:starts[k + 1]]. An
+    entry is (4 * offset << TAP_BITS | tap as uint32 bits, the weight's
+    float32 bits), offset = c * H * W + r * dilation_h * W + s * dilation_w:
+    where tap (r, s) of channel c sits from the top-left of an output
+    pixel's receptive field."""
     want = (shape.out_channels, shape.in_channels, shape.kernel_h, shape.kernel_w)
     if tuple(weight.shape) != want:
         raise ValueError(f"weight_table: the weight must have shape {want} for {shape.describe()}, "
                          f"got {tuple(weight.shape)}")
+    why = table_supported(shape)
+    if why:
+        raise ValueError(f"weight_table: {shape.describe()}: {why}")
     w = np.ascontiguousarray(weight, dtype=np.float32)
-    taps = shape.kernel_h * shape.kernel_w
-    kk, cc, rr, ss = np.nonzero(w)  # NaN and inf are nonzero: they propagate as in torch
-    tap = rr * shape.kernel_w + ss
-    order = np.lexsort((cc, tap, kk))
-    values = w[kk, cc, rr, ss][order]
-    entries = np.empty((len(order), 2), np.int32)
-    entries[:, 0] = cc[order] * (shape.in_h * shape.in_w * 4)
-    entries[:, 1] = values.view(np.int32)
-    counts = np.zeros((shape.out_channels, taps), np.int64)
-    np.add.at(counts, (kk, tap), 1)
-    starts = np.zeros((shape.out_channels, taps + 1), np.int64)
-    starts[:, 1:] = np.cumsum(counts, axis=1)
-    starts += np.concatenate([[0], np.cumsum(counts.sum(axis=1))[:-1]])[:, None]
+    kk, cc, rr, ss = np.nonzero(w)  # in (k, c, r, s) order; NaN and inf are nonzero: they propagate as in torch
+    offset = (cc * shape.in_h + rr * shape.dilation[0]) * shape.in_w + ss * shape.dilation[1]
+    entries = np.empty((len(kk), 2), np.int32)
+    entries[:, 0] = (((4 * offset) << TAP_BITS) | (rr * shape.kernel_w + ss)).astype(np.uint32).view(np.int32)
+    entries[:, 1] = w[kk, cc, rr, ss].view(np.int32)
+    starts = np.zeros(shape.out_channels + 1, np.int64)
+    starts[1:] = np.cumsum(np.bincount(kk, minlength=shape.out_channels))
     return entries, starts.astype(np.int32)
 
 
@@ -112,38 +129,38 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     const int k = blockIdx.y, n = blockIdx.z;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int pix0 = blockIdx.x * 32 * J;
-    const float* xn = x + (long long)n * C * H * W;
+    const char* xn = (const char*)(x + (long long)n * C * H * W);
     float acc[J];
-    int oy[J], ox[J];
+    const char* field[J];  // the top-left of each of the lane's pixels' receptive field (may lie outside x)
+    MASK_T taps_in[J];     // bit t: tap t of that pixel lies inside the image
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         acc[j] = 0.0f;
         const int p = pix0 + lane + 32 * j;
-        oy[j] = p < OH * OW ? p / OW : -(1 << 20);  // a pixel past the end reads nothing
-        ox[j] = p % OW;
+        const int oy = p / OW, ox = p % OW;
+        const int y0 = oy * SH - PH, x0 = ox * SW - PW;
+        field[j] = xn + 4LL * (y0 * W + x0);
+        MASK_T m = 0;
+#pragma unroll
+        for (int t = 0; t < KH * KW; ++t) {
+            const int iy = y0 + (t / KW) * DH, ix = x0 + (t % KW) * DW;
+            if (iy >= 0 && iy < H && ix >= 0 && ix < W) m |= (MASK_T)1 << t;
+        }
+        taps_in[j] = p < OH * OW ? m : 0;
     }
-    const int* st = starts + k * (KH * KW + 1);
-    for (int t = 0; t < KH * KW; ++t) {
-        const int r = t / KW, s = t % KW;
-        const char* xp[J];  // this tap's input pixel of each of the lane's outputs, in channel 0
-        bool ok[J];
-#pragma unroll
-        for (int j = 0; j < J; ++j) {
-            const int iy = oy[j] * SH - PH + r * DH, ix = ox[j] * SW - PW + s * DW;
-            ok[j] = iy >= 0 && iy < H && ix >= 0 && ix < W;
-            xp[j] = (const char*)(xn + (ok[j] ? iy * W + ix : 0));
-        }
-        const int b = st[t], len = st[t + 1] - b;
-        const int lo = b + (len * w) / WS, hi = b + (len * (w + 1)) / WS;
+    // This warp's share of output channel k's entries, in one flat loop: the
+    // entry loads do not wait on the taps before them.
+    const int b = starts[k], len = starts[k + 1] - b;
+    const int lo = b + (len * w) / WS, hi = b + (len * (w + 1)) / WS;
 #pragma unroll 4
-        for (int i = lo; i < hi; ++i) {
-            const int2 e = __ldg(entries + i);  // one address for the whole warp
-            const float v = __int_as_float(e.y);
-            // unsigned: keeps the 64-bit pointer plus 32-bit offset one add
+    for (int i = lo; i < hi; ++i) {
+        const int2 e = __ldg(entries + i);  // one address for the whole warp
+        const float v = __int_as_float(e.y);
+        const unsigned byte = (unsigned)e.x >> TAP_BITS;  // unsigned: one 64-bit add to the pointer
+        const unsigned tap = (unsigned)e.x & (MAX_TAPS - 1);
 #pragma unroll
-            for (int j = 0; j < J; ++j)
-                if (ok[j]) acc[j] = fmaf(v, __ldg((const float*)(xp[j] + (unsigned)e.x)), acc[j]);
-        }
+        for (int j = 0; j < J; ++j)
+            if ((taps_in[j] >> tap) & 1) acc[j] = fmaf(v, __ldg((const float*)(field[j] + byte)), acc[j]);
     }
     __shared__ float part[WS][32 * J];
 #pragma unroll
@@ -184,7 +201,9 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
     consts = dict(C=shape.in_channels, H=shape.in_h, W=shape.in_w, K=shape.out_channels, OH=shape.out_h,
                   OW=shape.out_w, KH=shape.kernel_h, KW=shape.kernel_w, SH=shape.stride[0], SW=shape.stride[1],
                   PH=shape.padding[0], PW=shape.padding[1], DH=shape.dilation[0], DW=shape.dilation[1],
-                  J=tiling.pixels_per_lane, WS=tiling.warps, HAS_RESIDUAL=int(epilogue.residual))
+                  J=tiling.pixels_per_lane, WS=tiling.warps, HAS_RESIDUAL=int(epilogue.residual),
+                  TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS,
+                  MASK_T="unsigned" if shape.kernel_h * shape.kernel_w <= 32 else "unsigned long long")
     lo, hi = epilogue.bounds
     if lo is not None:
         consts["LO"] = _float_literal(lo)
@@ -203,7 +222,8 @@ _functions: Dict[Tuple[int, str], Any] = {}  # (device, source) -> compiled func
 class TableConv2d:
     """A conv layer through the table family on the current GPU, with the call
     contract of runtime.Conv2dKernel: kernel(x, out=None, residual=None) -> y,
-    on CuPy's current stream. `tiling` None: table_tiling's rule at batch 1."""
+    on CuPy's current stream. `tiling` None: table_tiling's rule at batch 1
+    for the weight's nonzeros."""
 
     backend = "table"
 
@@ -212,9 +232,9 @@ class TableConv2d:
         import cupy
 
         self.shape, self.epilogue, self.name = shape, epilogue, name
-        self.tiling = tiling or table_tiling(shape)
-        source = table_source(shape, self.tiling, epilogue)  # raises for a layer the family does not take
-        entries, starts = weight_table(weight, shape)
+        entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take
+        self.tiling = tiling or table_tiling(shape, 1, len(entries))
+        source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
         self._entries = cupy.asarray(entries if len(entries) else np.zeros((1, 2), np.int32))
         self._starts = cupy.asarray(starts)

@@ -10,8 +10,8 @@ import pytest
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
-from sparseconv.table import (FEW_BLOCKS, TableTiling, table_grid, table_source, table_supported, table_tiling,
-                              weight_table)
+from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TAPS, TAP_BITS, TableTiling, table_grid, table_source,
+                              table_supported, table_tiling, weight_table)
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 from ptx_interpreter import run_kernel
@@ -21,6 +21,7 @@ SHAPES = {
     "1x1-stride2": ConvShape(8, 3, 9, 9, 1, 1, stride=(2, 2)),
     "3x3-dilated-nonsquare": ConvShape(4, 3, 9, 6, 3, 3, padding=(2, 2), dilation=(2, 2)),
     "5x3-stride2-pad": ConvShape(3, 2, 11, 8, 5, 3, stride=(2, 2), padding=(2, 1)),
+    "7x7-stride2-stem": ConvShape(3, 4, 12, 12, 7, 7, stride=(2, 2), padding=(3, 3)),
 }
 
 
@@ -29,21 +30,23 @@ def test_the_table_holds_each_nonzero_weight_once_in_order(name):
     shape = SHAPES[name]
     w = pruned_weight(np.random.default_rng(0), shape.weight_shape, 0.7)
     entries, starts = weight_table(w, shape)
-    taps = shape.kernel_h * shape.kernel_w
     assert entries.dtype == starts.dtype == np.int32
-    assert entries.shape == (np.count_nonzero(w), 2) and starts.shape == (shape.out_channels, taps + 1)
-    flat = starts.ravel()
-    assert flat[0] == 0 and starts[-1, -1] == len(entries) and np.all(np.diff(starts, axis=1) >= 0)
-    assert np.all(starts[1:, 0] == starts[:-1, -1])  # channel k + 1 starts where k ends
+    assert entries.shape == (np.count_nonzero(w), 2) and starts.shape == (shape.out_channels + 1,)
+    assert starts[0] == 0 and starts[-1] == len(entries) and np.all(np.diff(starts) >= 0)
     # rebuild the weight from the table: every nonzero where it belongs, nothing else
     rebuilt = np.zeros_like(w)
-    plane = shape.in_h * shape.in_w * 4
+    plane = shape.in_h * shape.in_w
     for k in range(shape.out_channels):
-        for t in range(taps):
-            part = entries[starts[k, t]:starts[k, t + 1]]
-            c = part[:, 0] // plane
-            assert np.all(part[:, 0] % plane == 0) and np.all(np.diff(c) > 0)  # ascending channels
-            rebuilt[k, c, t // shape.kernel_w, t % shape.kernel_w] = part[:, 1].view(np.float32)
+        part = entries[starts[k]:starts[k + 1]]
+        first = part[:, 0].view(np.uint32).astype(np.int64)
+        offset, tap = (first >> TAP_BITS) // 4, first & (MAX_TAPS - 1)
+        assert np.all((first >> TAP_BITS) % 4 == 0)
+        r, s = tap // shape.kernel_w, tap % shape.kernel_w
+        c = offset // plane
+        # the offset is the tap's place from the receptive field's top-left
+        assert np.array_equal(offset - c * plane, r * shape.dilation[0] * shape.in_w + s * shape.dilation[1])
+        assert np.all(np.diff(c * MAX_TAPS + tap) > 0)  # ascending (channel, tap)
+        rebuilt[k, c, r, s] = part[:, 1].view(np.float32)
     np.testing.assert_array_equal(rebuilt, w)
 
 
@@ -56,7 +59,7 @@ def test_weight_table_refuses_a_weight_of_the_wrong_shape():
 def test_an_all_zero_weight_gives_an_empty_table():
     shape = SHAPES["3x3-pad1"]
     entries, starts = weight_table(np.zeros(shape.weight_shape, np.float32), shape)
-    assert entries.shape == (0, 2) and not starts.any()
+    assert entries.shape == (0, 2) and starts.shape == (shape.out_channels + 1,) and not starts.any()
 
 
 def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
@@ -75,7 +78,8 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
     ("3x3-pad1", TableTiling(2, 4), 1),
     ("1x1-stride2", TableTiling(1, 2), 2),
     ("3x3-dilated-nonsquare", TableTiling(1, 4), 1),
-    ("5x3-stride2-pad", TableTiling(2, 8), 2),  # 8 warps share 4-entry taps: some warps get none
+    ("5x3-stride2-pad", TableTiling(2, 8), 2),
+    ("7x7-stride2-stem", TableTiling(1, 4), 1),  # 49 taps: the 64-bit mask
 ])
 def test_the_kernel_computes_the_conv(name, tiling, batch):
     shape = SHAPES[name]
@@ -119,17 +123,25 @@ def test_table_source_refuses_what_the_family_does_not_take():
     with pytest.raises(ValueError, match="grouped"):
         table_source(grouped, TableTiling())
     assert table_supported(SHAPES["3x3-pad1"]) is None
+    assert table_supported(ConvShape(2, 2, 7, 7, 7, 7, padding=(3, 3))) is None  # 49 taps: a 64-bit mask
+    assert "more than 64 taps" in table_supported(ConvShape(2, 2, 9, 9, 9, 9))
+    with pytest.raises(ValueError, match="more than 64 taps"):
+        weight_table(np.ones((2, 2, 9, 9), np.float32), ConvShape(2, 2, 9, 9, 9, 9))
     for bad in (dict(pixels_per_lane=0), dict(warps=3)):
         with pytest.raises(ValueError):
             TableTiling(**bad)
 
 
-def test_the_tiling_rule_gives_few_blocks_more_warps():
-    layer4_conv1 = ConvShape(2048, 512, 7, 7, 1, 1)       # 512 blocks at batch 1
-    downsample = ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2))  # 2,048 blocks
+def test_the_tiling_rule_gives_long_channels_and_small_grids_more_warps():
+    layer4_conv1 = ConvShape(2048, 512, 7, 7, 1, 1)                  # 512 blocks at batch 1
+    downsample = ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2))  # 2,048 blocks, 102 entries a channel
+    vgg_conv5 = ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1))    # 2,048 blocks, 461 entries a channel
     assert table_grid(layer4_conv1, TableTiling(2, 8), 1) == (1, 512, 1)
     assert table_tiling(layer4_conv1) == TableTiling(2, 8)
     assert table_tiling(downsample) == TableTiling(2, 4)
+    assert table_tiling(vgg_conv5) == TableTiling(2, 8)
+    assert table_tiling(vgg_conv5, nonzeros=512 * 4 * LONG_SHARE) == TableTiling(2, 4)  # sparser: short shares
+    assert table_tiling(layer4_conv1, batch=4) == TableTiling(2, 4)  # 2,048 blocks of 51-entry shares
     assert FEW_BLOCKS < 2048
 
 
