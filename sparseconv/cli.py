@@ -309,6 +309,9 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @click.option("--autotune", is_flag=True, help="Choose each layer's tiling by timing candidates (cached).")
 @route_option
 @route_batch_option
+@click.option("--table/--no-table", default=True, show_default=True,
+              help="With --route, also time each conv through the weight-table family (sparseconv.table) at the "
+              "--route-batch sizes of at most 8 images, and run those sizes through it where it is the fastest.")
 @click.option("--cuda-graph", is_flag=True, help="Capture the forward once per batch shape as a CUDA graph and "
               "replay it (fewer launch gaps; a shape that cannot be captured runs eagerly, and the output says "
               "why).")
@@ -319,7 +322,7 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @cache_dir_option
 @json_option
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
-        batch_size: int, backend: str, autotune: bool, route: bool, route_batches: Tuple[int, ...],
+        batch_size: int, backend: str, autotune: bool, route: bool, route_batches: Tuple[int, ...], table: bool,
         cuda_graph: bool, check: bool, output: Optional[Path], jobs: Optional[int], cache_dir: Optional[Path],
         as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
@@ -367,7 +370,7 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
                                    cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
                                    progress=not as_json, tiling="auto" if autotune else None,
                                    backend=backend, tune_batch=batch_size, cuda_graph=cuda_graph,
-                                   route_batches=tuple(route_batches) if route else None)
+                                   route_batches=tuple(route_batches) if route else None, table=table)
             summary["compile_s"] = round(time.perf_counter() - t, 4)
         except CompileError as exc:
             raise click.ClickException(_tool_failure(exc)) from None
@@ -432,7 +435,9 @@ def _route_summary(choice: Optional[RouteChoice]) -> Optional[dict]:
     if choice is None:
         return None
     return {"action": choice.action, "route": choice.describe_route(), "note": choice.note,
-            "times_us": [{"batch": b, "sparseconv": s, "cudnn_fp32": d} for b, s, d in choice.times_us]}
+            "times_us": [{"batch": b, "sparseconv": s, **({"table": dict(choice.table_us)[b]}
+                                                           if b in dict(choice.table_us) else {}), "cudnn_fp32": d}
+                         for b, s, d in choice.times_us]}
 
 
 @main.group()

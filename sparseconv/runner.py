@@ -40,8 +40,9 @@ from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 from .pool import launch_max_pool
-from .routing import DENSE, SPARSE, RouteChoice, check_route_batches, choose_route
+from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route
 from .runtime import DenseConv2dKernel
+from .table import MAX_TABLE_BATCH, TableConv2d, table_supported
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
 
 
@@ -531,8 +532,10 @@ class SparseModel:
 
     The graph's constants are uploaded once (on the first call); a call uploads
     only its input. routes: Conv name -> RouteChoice, where compile_model timed
-    the kernel against cuDNN strict fp32; `dense` holds the cuDNN path of the
-    layers routed to it at some batch size, and each call picks by its batch.
+    the kernel against cuDNN strict fp32 (and the weight table at small
+    batches); `dense` holds the cuDNN path of the layers routed to it at some
+    batch size, `tables` the weight-table kernel (sparseconv.table) of those
+    routed to it, and each call picks by its batch.
 
     cuda_graph=True: the first call of each input shape runs the forward once
     eagerly (modules loaded, split-variant workspaces and index tables in
@@ -546,11 +549,12 @@ class SparseModel:
 
     def __init__(self, program: OnnxProgram, kernels: Dict[str, Any], *, cuda_graph: bool = False,
                  routes: Optional[Dict[str, RouteChoice]] = None, dense: Optional[Dict[str, Any]] = None,
-                 route_note: str = "") -> None:
+                 route_note: str = "", tables: Optional[Dict[str, Any]] = None) -> None:
         self.program = program
         self.kernels = kernels  # layer name -> Conv2dKernel
         self.routes = dict(routes or {})
         self.dense = dict(dense or {})  # layer name -> DenseConv2dKernel, where a route sends a batch to cuDNN
+        self.tables = dict(tables or {})  # layer name -> TableConv2d, where a route sends a batch to the table
         self.route_note = route_note
         self.cuda_graph = cuda_graph
         self.graph_notes: Dict[Tuple[int, ...], str] = {}
@@ -560,10 +564,14 @@ class SparseModel:
         self._gemv_arrays: Dict[str, Tuple[Any, Any]] = {}  # GemvLayer name -> (weight, bias) on the GPU
 
     def kernel(self, name: str, batch: int) -> Any:
-        """What runs Conv `name` at this batch size: its kernel, or cuDNN where the route says so."""
+        """What runs Conv `name` at this batch size: its kernel, or cuDNN or the
+        weight table where the route says so."""
         choice = self.routes.get(name)
-        if choice is not None and choice.path(batch) == DENSE:
+        path = choice.path(batch) if choice is not None else SPARSE
+        if path == DENSE:
             return self.dense[name]
+        if path == TABLE:
+            return self.tables[name]
         return self.kernels[name]
 
     def _conv(self, layer: ConvLayer, x: Any, residual: Any = None) -> Any:
@@ -692,17 +700,21 @@ class SparseModel:
 
 
 def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequence[int],
-                  progress: bool = False) -> Tuple[Dict[str, RouteChoice], Dict[str, Any], str]:
+                  progress: bool = False, table: bool = True
+                  ) -> Tuple[Dict[str, RouteChoice], Dict[str, Any], Dict[str, Any], str]:
     """Time each sparseconv kernel against cuDNN strict fp32 (a DenseConv2dKernel:
-    the same call, bias and epilogue) at each batch size, by CUDA-graph replays
-    as the model runs them (CUDA events for both where a capture fails), with
-    L2 overwritten before each call, as inside a network.
+    the same call, bias and epilogue) at each batch size, and at batch sizes
+    up to MAX_TABLE_BATCH against the weight table (TableConv2d; `table`
+    False: not), by CUDA-graph replays as the model runs them (CUDA events for
+    the kernel and cuDNN where a capture fails), with L2 overwritten before
+    each call, as inside a network.
     Returns (name -> RouteChoice, name -> the cuDNN kernel of each layer some
-    batch size is routed to, a note). Without torch with CUDA nothing is timed:
+    batch size is routed to, name -> the table kernel of each layer some batch
+    size is routed to, a note). Without torch with CUDA nothing is timed:
     every conv keeps its kernel, and the note says so."""
     torch = _torch_with_cuda()
     if torch is None:
-        return {}, {}, "not routed: torch with CUDA is not installed, so every conv runs its sparseconv kernel"
+        return {}, {}, {}, "not routed: torch with CUDA is not installed, so every conv runs its sparseconv kernel"
     import click
     import cupy
 
@@ -712,13 +724,18 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     flush = cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32)
     routes: Dict[str, RouteChoice] = {}
     dense: Dict[str, Any] = {}
+    tables: Dict[str, Any] = {}
     # convs only: a Linear kernel (program.linears) keeps its kernel
     items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE and name in program.convs]
     for i, (name, k) in enumerate(items):
         if progress:
-            click.echo(f"\rtiming sparseconv vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
+            paths = "sparseconv, table" if table else "sparseconv"
+            click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
         layer = program.convs[name]
         cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
+        small = [b for b in batches if b <= MAX_TABLE_BATCH]
+        on_table = TableConv2d(layer.weight, layer.bias, k.shape, k.epilogue, name=name) \
+            if table and small and table_supported(k.shape) is None else None
         notes: List[str] = []
 
         def time_both(b: int) -> Tuple[float, float]:
@@ -739,19 +756,32 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
             notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
             return t[SPARSE].events_us, t[DENSE].events_us
 
-        choice = choose_route(time_both, batches)
+        def time_table(b: int) -> Optional[float]:
+            if on_table is None or b > MAX_TABLE_BATCH:
+                return None
+            s = k.shape
+            x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
+            out = cupy.empty(k.output_shape(b), cupy.float32)
+            r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+            return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
+                             max_seconds=0.2, capture=cupy_graph).us
+
+        choice = choose_route(time_both, batches, time_table=time_table)
         routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
-        if choice.action != SPARSE:
+        taken = {path for _, path in choice.route}
+        if DENSE in taken:
             dense[name] = cudnn
+        if TABLE in taken:
+            tables[name] = on_table
     if progress and items:
         click.echo("", err=True)
-    return routes, dense, ""
+    return routes, dense, tables, ""
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
                   jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
                   backend: str = "sparseconv", tune_batch: int = 64, cuda_graph: bool = False, fuse: bool = True,
-                  route_batches: Optional[Sequence[int]] = (1, 64)) -> SparseModel:
+                  route_batches: Optional[Sequence[int]] = (1, 64), table: bool = True) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
     the current GPU. tiling="auto" / backend="auto" tune each layer (see
     sparseconv.tune); each kernel's .backend says which path it took.
@@ -760,12 +790,16 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     sparseconv kernel is timed against cuDNN strict fp32 at these batch sizes
     and each batch size then runs the faster path (route_kernels); without
     torch every conv keeps its kernel and the plan says so. None or () turns
-    routing off. cuda_graph=True replays one CUDA graph per input shape (see
+    routing off. table=True (default) also times the weight-table family
+    (sparseconv.table) at the route batch sizes of at most MAX_TABLE_BATCH
+    and routes them to it where it is the fastest. cuda_graph=True replays one CUDA graph per input shape (see
     SparseModel); model.plan shows the paths, the times and the graphs.
     fuse: fold BatchNormalization into the convs and fuse residual adds and
     Relu/Clip into their kernels (onnx_fuse.py); the plan says what was fused
     per conv, and .program is the fused program."""
     check_route_batches(route_batches, "compile_model")
+    if not isinstance(table, bool):
+        raise TypeError(f"compile_model: table must be True or False, got {table!r}")
     program = load_program(path, input_size)
     if fuse:
         program = fuse_program(program)
@@ -778,8 +812,9 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     dense: Dict[str, Any] = {}
     note = ""
     if route_batches:
-        routes, dense, note = route_kernels(program, kernels, route_batches, progress)
-    return SparseModel(program, kernels, cuda_graph=cuda_graph, routes=routes, dense=dense, route_note=note)
+        routes, dense, tables, note = route_kernels(program, kernels, route_batches, progress, table)
+    return SparseModel(program, kernels, cuda_graph=cuda_graph, routes=routes, dense=dense, route_note=note,
+                       tables=tables)
 
 
 # --------------------------------------------------------------------------- data

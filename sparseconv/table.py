@@ -245,7 +245,10 @@ class TableConv2d:
             _functions[key] = cupy.RawKernel(source, "sc_table_conv")
         self._fn = _functions[key]
         self.stats = {"backend": "table", "tiling": self.tiling.describe(), "nonzero_weights": int(len(entries)),
-                      "weights": int(np.prod(weight.shape)), "table_bytes": int(entries.nbytes + starts.nbytes)}
+                      "weights": int(np.prod(weight.shape)), "table_bytes": int(entries.nbytes + starts.nbytes),
+                      # reading the attributes compiles and loads the kernel now, not at a first
+                      # launch that may lie inside a CUDA graph capture
+                      "registers": int(self._fn.attributes["num_regs"])}
         # Copied in on the current stream; the kernel may run on another.
         cupy.cuda.get_current_stream().synchronize()
 

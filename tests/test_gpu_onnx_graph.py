@@ -101,7 +101,8 @@ def test_routing_measures_every_conv_and_routed_layers_replay_in_the_graph(sessi
     for name, choice in model.routes.items():
         assert [b for b, _, _ in choice.times_us] == [1, 64] and all(t > 0 for _, s, d in choice.times_us
                                                                      for t in (s, d))
-        assert (name in model.dense) == (choice.action != "sparseconv")
+        taken = {path for _, path in choice.route}
+        assert (name in model.dense) == ("dense" in taken) and (name in model.tables) == ("table" in taken)
     print("\n".join(model.plan))
 
     name = "/conv2/Conv"
@@ -145,3 +146,31 @@ def test_cli_run_text_output_shows_the_plan(session_cache_dir):
                                   "--cache-dir", str(session_cache_dir)])
     assert r.exit_code == 0, r.output
     assert "cuDNN fp32" in r.output and "CUDA graph for input 256x1x8x8: captured" in r.output
+
+
+def test_convs_routed_to_the_weight_table_match_float64_eager_and_in_a_graph(session_cache_dir):
+    """compile_model times the table at batch 1 (the plan shows it); every conv
+    forced onto the table then gives the float64 answer, eagerly and replayed."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("torch")
+    import cupy as cp
+
+    from sparseconv import compile_model
+    from sparseconv.routing import RouteChoice
+    from sparseconv.runner import run_reference
+    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.table import TableConv2d
+
+    model = compile_model(LENET, cache_dir=str(session_cache_dir), cuda_graph=True, route_batches=(1,))
+    assert all("table" in line for line in model.plan if line.startswith("/conv"))
+    for name, layer in model.program.convs.items():
+        if name not in model.tables:
+            model.tables[name] = TableConv2d(layer.weight, layer.bias, model.kernels[name].shape,
+                                             model.kernels[name].epilogue, name=name)
+        model.routes[name] = RouteChoice(((ANY_BATCH, "table"),), ((1, 2.0, 3.0),), table_us=((1, 1.0),))
+        assert model.kernel(name, 7) is model.tables[name]
+    rng = cp.random.default_rng()
+    for batch in (3, 3):
+        x = rng.random((batch, 1, 8, 8), dtype=cp.float32)
+        assert relative_l2(model(x).get(), run_reference(model.program, x)[0]) <= 1e-5
+    assert model.graph_notes == {(3, 1, 8, 8): "captured"}, model.graph_notes

@@ -129,11 +129,17 @@ def test_compile_model_refuses_bad_route_batches_before_any_work(bad):
         compile_model(Path("no-such-file.onnx"), route_batches=bad)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_compile_model_refuses_a_table_option_that_is_not_a_bool(bad):
+    with pytest.raises(TypeError, match="compile_model: table must be True or False"):
+        compile_model(Path("no-such-file.onnx"), table=bad)
+
+
 def test_without_torch_every_conv_keeps_its_kernel_and_the_plan_says_so(monkeypatch):
     program = load_program(LENET)
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
-    routes, dense, note = route_kernels(program, {}, [1, 64])
-    assert routes == {} and dense == {} and "torch with CUDA is not installed" in note
+    routes, dense, tables, note = route_kernels(program, {}, [1, 64])
+    assert routes == {} and dense == {} and tables == {} and "torch with CUDA is not installed" in note
     # Stand-ins for the loaded kernels (the real ones need a GPU): the plan reads .backend only.
     kernels = {name: SimpleNamespace(backend="sparseconv") for name in program.convs}
     plan = [line for line in SparseModel(program, kernels, route_note=note).plan
@@ -161,10 +167,25 @@ def test_the_call_picks_the_routed_path_by_batch_and_the_plan_shows_the_times():
     ]
 
 
+def test_the_call_takes_the_weight_table_where_routed_and_the_plan_shows_its_times():
+    program = load_program(LENET)
+    first, _ = program.convs
+    kernels = {name: SimpleNamespace(backend="sparseconv") for name in program.convs}
+    table = SimpleNamespace(backend="table")
+    routed = RouteChoice(((8, "table"), (ANY_BATCH, "sparseconv")), ((1, 5.0, 7.0), (64, 90.0, 140.0)),
+                         table_us=((1, 3.0),))
+    model = SparseModel(program, kernels, routes={first: routed}, tables={first: table})
+    assert model.kernel(first, 1) is table and model.kernel(first, 8) is table
+    assert model.kernel(first, 9) is kernels[first]
+    assert [line for line in model.plan if line.startswith(first)] == [
+        f"{first}: Conv {program.convs[first].shape.describe()}, mixed (<=8: table, else sparseconv; batch 1: "
+        "sparseconv 5.0 us, table 3.0 us, cuDNN fp32 7.0 us; batch 64: sparseconv 90.0 us, cuDNN fp32 140.0 us)"]
+
+
 def test_run_has_the_routing_and_graph_options():
     r = CliRunner().invoke(main, ["run", "--help"])
     assert r.exit_code == 0
-    for option in ("--route / --no-route", "--route-batch", "--cuda-graph"):
+    for option in ("--route / --no-route", "--route-batch", "--table / --no-table", "--cuda-graph"):
         assert option in r.output
 
 
