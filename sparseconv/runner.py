@@ -810,6 +810,7 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
                              jobs=jobs, progress=progress, epilogues=epilogues, linears=set(program.linears))
     routes: Dict[str, RouteChoice] = {}
     dense: Dict[str, Any] = {}
+    tables: Dict[str, Any] = {}
     note = ""
     if route_batches:
         routes, dense, tables, note = route_kernels(program, kernels, route_batches, progress, table)
