@@ -434,10 +434,10 @@ def _route_summary(choice: Optional[RouteChoice]) -> Optional[dict]:
     """A layer's measured route for the JSON summary (None: not routed)."""
     if choice is None:
         return None
-    return {"action": choice.action, "route": choice.describe_route(), "note": choice.note,
-            "times_us": [{"batch": b, "sparseconv": s, **({"table": dict(choice.table_us)[b]}
-                                                           if b in dict(choice.table_us) else {}), "cudnn_fp32": d}
-                         for b, s, d in choice.times_us]}
+    table = dict(choice.table_us)  # batch -> the weight table's time, where it was timed
+    times = [{"batch": b, "sparseconv": s, **({"table": table[b]} if b in table else {}), "cudnn_fp32": d}
+             for b, s, d in choice.times_us]
+    return {"action": choice.action, "route": choice.describe_route(), "note": choice.note, "times_us": times}
 
 
 @main.group()

@@ -792,8 +792,9 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     torch every conv keeps its kernel and the plan says so. None or () turns
     routing off. table=True (default) also times the weight-table family
     (sparseconv.table) at the route batch sizes of at most MAX_TABLE_BATCH
-    and routes them to it where it is the fastest. cuda_graph=True replays one CUDA graph per input shape (see
-    SparseModel); model.plan shows the paths, the times and the graphs.
+    and routes them to it where it is the fastest. cuda_graph=True replays
+    one CUDA graph per input shape (see SparseModel); model.plan shows the
+    paths, the times and the graphs.
     fuse: fold BatchNormalization into the convs and fuse residual adds and
     Relu/Clip into their kernels (onnx_fuse.py); the plan says what was fused
     per conv, and .program is the fused program."""

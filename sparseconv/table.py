@@ -5,11 +5,12 @@ Why: at batch 1 a deep layer's straight-line code is fetched at ~1.4 GB/s
 an SM from DRAM and ~3.8 GB/s from L2 (16 bytes an FFMA; docs/PERFORMANCE.md,
 sessions 17-18), while the data path reads at ~20 GB/s an SM. Where few
 pixels share each fetched instruction (7x7 and 14x14 outputs of one image)
-the table is faster: ResNet-50's layer4 convs ran 1.5-1.9x faster cold on a
-probe of this kernel (bench/weight_table_probe.py, H100, session 21). Where
-many pixels share it (28x28 and up, or batch 64) the code is faster, so a
-layer takes the table only at the batch sizes where it measured faster
-(sparseconv.torch.route_by_batch).
+the table is faster: ResNet-50's layer4 convs ran 1.6-2.1x faster cold on
+this kernel, its layer3 convs 1.2-1.6x (bench/weight_table_probe.py, H100,
+session 21). Where many pixels share it (VGG-16's 28x28 layers, or batch
+64) the code is faster, so a layer takes the table only at the batch sizes
+where it measured faster (routing: sparseconv.torch.route_by_batch and the
+runner's route_kernels).
 
 The table is the specialisation: `weight_table` keeps each nonzero weight
 once, as an 8-byte entry (where its input sits from an output pixel's
@@ -271,6 +272,10 @@ class TableConv2d:
             if arr is not None and (not isinstance(arr, cupy.ndarray) or arr.dtype != np.float32
                                     or tuple(arr.shape) != want or not arr.flags.c_contiguous):
                 raise ValueError(f"{self.name}: {what} must be a C-contiguous float32 CuPy array of shape {want}")
+        for what, arr in (("x", x), ("out", out), ("residual", residual)):
+            if arr is not None and arr.device.id != self.device_id:
+                raise ValueError(f"{self.name}: {what} is on GPU {arr.device.id}, the kernel was loaded on GPU "
+                                 f"{self.device_id}")
         if self.epilogue.residual != (residual is not None):
             raise ValueError(f"{self.name}: this kernel {'adds' if self.epilogue.residual else 'takes no'} "
                              "residual")

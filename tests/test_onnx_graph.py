@@ -182,6 +182,17 @@ def test_the_call_takes_the_weight_table_where_routed_and_the_plan_shows_its_tim
         "sparseconv 5.0 us, table 3.0 us, cuDNN fp32 7.0 us; batch 64: sparseconv 90.0 us, cuDNN fp32 140.0 us)"]
 
 
+def test_the_json_route_summary_gives_the_table_time_where_it_was_timed():
+    from sparseconv.cli import _route_summary
+
+    routed = RouteChoice(((8, "table"), (ANY_BATCH, "sparseconv")), ((1, 5.0, 7.0), (64, 90.0, 140.0)),
+                         table_us=((1, 3.0),))
+    assert _route_summary(routed)["times_us"] == [
+        {"batch": 1, "sparseconv": 5.0, "table": 3.0, "cudnn_fp32": 7.0},
+        {"batch": 64, "sparseconv": 90.0, "cudnn_fp32": 140.0}]
+    assert _route_summary(routed)["route"] == "<=8: table, else sparseconv" and _route_summary(None) is None
+
+
 def test_run_has_the_routing_and_graph_options():
     r = CliRunner().invoke(main, ["run", "--help"])
     assert r.exit_code == 0
