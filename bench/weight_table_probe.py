@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import List, Tuple
 
 import numpy as np
@@ -32,7 +33,7 @@ from sparseconv.shapes import Epilogue, Target, variant_for_batch
 from sparseconv.table import TableConv2d, TableTiling, table_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import pruned_model
+from sparseconv.zoo import model_layers, pruned_model
 
 
 def main() -> None:
@@ -42,16 +43,28 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="weight_table_probe.json")
     args = ap.parse_args()
+    # every argument checked before anything is built or touches a GPU
     cands: List[Tuple[str, object]] = []
     for c in args.cands.split(","):
         if c == "rule":
             cands.append((c, None))
             continue
-        try:
-            js, wsn = c.split("x")
-            cands.append((c, TableTiling(int(js.lstrip("J")), int(wsn.lstrip("W")))))
-        except ValueError:
+        parts = c.split("x")
+        if len(parts) != 2 or not (parts[0][:1] == "J" and parts[0][1:].isdigit()
+                                   and parts[1][:1] == "W" and parts[1][1:].isdigit()):
             ap.error(f"--cands: {c!r} is not JjxWw (e.g. J2xW4) or rule")
+        try:
+            cands.append((c, TableTiling(int(parts[0][1:]), int(parts[1][1:]))))
+        except ValueError as e:
+            ap.error(f"--cands {c}: {e}")
+    for lname in args.layers.split(","):
+        net, _, name = lname.partition(":")
+        if net not in ("resnet50", "vgg16") or name not in dict(model_layers(net)):
+            ap.error(f"--layers: {lname!r} is not <resnet50|vgg16>:<layer>, e.g. resnet50:layer4.1.conv2")
+    if args.batch < 1:
+        ap.error(f"--batch must be 1 or more, got {args.batch}")
+    if not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
     import cupy
     nets = {}
     for lname in args.layers.split(","):

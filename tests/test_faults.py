@@ -786,6 +786,26 @@ def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path
 
 
 @pytest.mark.parametrize("args, needle", [
+    (["--cands", "J2W4"], "--cands: 'J2W4' is not JjxWw (e.g. J2xW4) or rule"),
+    (["--cands", "J0xW4"], "--cands J0xW4: pixels_per_lane must be 1..16, got 0"),
+    (["--cands", "J2xW3"], "--cands J2xW3: warps must be 1, 2, 4, 8 or 16, got 3"),
+    (["--layers", "resnet50:layer9.conv1"], "--layers: 'resnet50:layer9.conv1' is not <resnet50|vgg16>:<layer>, "
+     "e.g. resnet50:layer4.1.conv2"),
+    (["--batch", "0"], "--batch must be 1 or more, got 0"),
+    (["--out", "/no/such/folder/t.json"], "--out /no/such/folder/t.json: folder /no/such/folder does not exist"),
+])
+def test_weight_table_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
+    """bench/weight_table_probe.py: exit 2 with one line naming what to fix,
+    before it builds a kernel or touches a GPU, and no --out file written."""
+    out = tmp_path / "t.json"
+    argv = (["--layers", "resnet50:layer4.1.conv1"] if "--layers" not in args else []) \
+        + (["--out", str(out)] if "--out" not in args else []) + args
+    r = _bench("bench/weight_table_probe.py", *argv)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle), r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split, large-image-blocks, gemv, table"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
