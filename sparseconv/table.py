@@ -160,8 +160,14 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
         const unsigned byte = (unsigned)e.x >> TAP_BITS;  // unsigned: one 64-bit add to the pointer
         const unsigned tap = (unsigned)e.x & (MAX_TAPS - 1);
 #pragma unroll
-        for (int j = 0; j < J; ++j)
+        for (int j = 0; j < J; ++j) {
+#if UNPADDED
+            // no padding: every tap of a pixel inside the output lies inside the image
+            if (taps_in[j]) acc[j] = fmaf(v, __ldg((const float*)(field[j] + byte)), acc[j]);
+#else
             if ((taps_in[j] >> tap) & 1) acc[j] = fmaf(v, __ldg((const float*)(field[j] + byte)), acc[j]);
+#endif
+        }
     }
     __shared__ float part[WS][32 * J];
 #pragma unroll
@@ -203,7 +209,7 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
                   OW=shape.out_w, KH=shape.kernel_h, KW=shape.kernel_w, SH=shape.stride[0], SW=shape.stride[1],
                   PH=shape.padding[0], PW=shape.padding[1], DH=shape.dilation[0], DW=shape.dilation[1],
                   J=tiling.pixels_per_lane, WS=tiling.warps, HAS_RESIDUAL=int(epilogue.residual),
-                  TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS,
+                  TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS, UNPADDED=int(shape.padding == (0, 0)),
                   MASK_T="unsigned" if shape.kernel_h * shape.kernel_w <= 32 else "unsigned long long")
     lo, hi = epilogue.bounds
     if lo is not None:

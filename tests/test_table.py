@@ -22,6 +22,7 @@ SHAPES = {
     "3x3-dilated-nonsquare": ConvShape(4, 3, 9, 6, 3, 3, padding=(2, 2), dilation=(2, 2)),
     "5x3-stride2-pad": ConvShape(3, 2, 11, 8, 5, 3, stride=(2, 2), padding=(2, 1)),
     "7x7-stride2-stem": ConvShape(3, 4, 12, 12, 7, 7, stride=(2, 2), padding=(3, 3)),
+    "3x3-unpadded": ConvShape(4, 3, 9, 8, 3, 3),  # no padding: the kernel skips the tap test
 }
 
 
@@ -80,6 +81,7 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
     ("3x3-dilated-nonsquare", TableTiling(1, 4), 1),
     ("5x3-stride2-pad", TableTiling(2, 8), 2),
     ("7x7-stride2-stem", TableTiling(1, 4), 1),  # 49 taps: the 64-bit mask
+    ("3x3-unpadded", TableTiling(1, 2), 2),
 ])
 def test_the_kernel_computes_the_conv(name, tiling, batch):
     shape = SHAPES[name]
@@ -115,6 +117,12 @@ def test_the_epilogue_is_applied_at_the_store(epilogue):
     assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.isnan(out).any()
     finite = ~np.isnan(ref)
     assert relative_l2(out[finite], ref[finite]) < 1e-6
+
+
+def test_only_an_unpadded_layer_skips_the_tap_test():
+    assert "#define UNPADDED 1" in table_source(SHAPES["3x3-unpadded"], TableTiling())
+    assert "#define UNPADDED 1" in table_source(SHAPES["1x1-stride2"], TableTiling())
+    assert "#define UNPADDED 0" in table_source(SHAPES["3x3-pad1"], TableTiling())
 
 
 def test_table_source_refuses_what_the_family_does_not_take():
