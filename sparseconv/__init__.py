@@ -6,6 +6,7 @@ immediates). Exact fp32.
     y = conv(x)   # x: (N, C, 56, 56) float32 on the GPU; y: CuPy array
 
     fc = sparseconv.compile_linear(w_fc, bias=b_fc, activation="relu")  # (N, in) -> (N, out)
+    t = sparseconv.TableConv2d(w, b, shape)  # the weight-table family (small batches), same call as conv
 
     layer = sparseconv.build_conv2d(w, shape, target=sparseconv.Target("sm_90"))  # build only, no GPU
     model = sparseconv.compile_model("models/lenet_digits_pruned.onnx")  # a whole ONNX model
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "compile_conv2d": "api", "compile_linear": "api",
     "Conv2dKernel": "runtime", "DenseConv2dKernel": "runtime", "LinearKernel": "runtime",
+    "TableConv2d": "table",
     "compile_model": "runner", "SparseModel": "runner",
     "build_conv2d": "build", "CompiledLayer": "build",
     "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "shapes",

@@ -164,3 +164,11 @@ def test_routing_takes_the_table_where_it_is_fastest():
     # a tie keeps the kernel; cuDNN still wins where it is fastest
     assert choose_route(lambda b: (3.0, 9.0), [1], time_table=lambda b: 3.0).route == ((ANY_BATCH, "sparseconv"),)
     assert choose_route(lambda b: (3.0, 1.0), [1], time_table=lambda b: 2.0).route == ((ANY_BATCH, "dense"),)
+
+
+def test_the_table_kernel_is_a_public_name_that_loads_on_first_use():
+    import sparseconv
+    import sparseconv.table
+
+    assert "TableConv2d" in sparseconv.__all__ and "TableConv2d" in dir(sparseconv)
+    assert sparseconv.TableConv2d is sparseconv.table.TableConv2d
