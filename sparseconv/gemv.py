@@ -160,6 +160,9 @@ def linear_gemv(device_id: int, x: Any, w: Any, bias: Any, y: Any, variant: Gemv
     import cupy
     import numpy as np
 
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"gemv: x and w must be 2-D, (N, in_features) and (out_features, in_features); got "
+                         f"shapes {tuple(x.shape)} and {tuple(w.shape)}")
     n, in_features = x.shape
     out_features = w.shape[0]
     expected = {"w": (out_features, in_features), "bias": (out_features,), "y": (n, out_features)}

@@ -42,6 +42,15 @@ def test_the_kernel_sums_every_weight_once(batch, variant):
     assert rel_l2(y, ref) < 1e-6
 
 
+def test_linear_gemv_refuses_an_x_or_w_that_is_not_2d_before_touching_a_gpu():
+    from sparseconv.gemv import linear_gemv
+
+    for x, w in ((np.zeros((1, 2, 4), np.float32), np.zeros((3, 4), np.float32)),
+                 (np.zeros((1, 4), np.float32), np.zeros((3, 4, 1), np.float32))):
+        with pytest.raises(ValueError, match=r"gemv: x and w must be 2-D.*got shapes"):
+            linear_gemv(0, x, w, np.zeros(3, np.float32), np.zeros((1, 3), np.float32))
+
+
 def test_gemv_source_refuses_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match=f"batch must be 1..{MAX_GEMV_BATCH}"):
         gemv_source(MAX_GEMV_BATCH + 1)
