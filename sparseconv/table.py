@@ -102,13 +102,13 @@ def weight_table(weight: np.ndarray, shape: ConvShape) -> Tuple[np.ndarray, np.n
     float32 bits), offset = c * H * W + r * dilation_h * W + s * dilation_w:
     where tap (r, s) of channel c sits from the top-left of an output
     pixel's receptive field."""
+    why = table_supported(shape)  # first: a grouped layer's weight has another shape too
+    if why:
+        raise ValueError(f"weight_table: {shape.describe()}: {why}")
     want = (shape.out_channels, shape.in_channels, shape.kernel_h, shape.kernel_w)
     if tuple(weight.shape) != want:
         raise ValueError(f"weight_table: the weight must have shape {want} for {shape.describe()}, "
                          f"got {tuple(weight.shape)}")
-    why = table_supported(shape)
-    if why:
-        raise ValueError(f"weight_table: {shape.describe()}: {why}")
     w = np.ascontiguousarray(weight, dtype=np.float32)
     kk, cc, rr, ss = np.nonzero(w)  # in (k, c, r, s) order; NaN and inf are nonzero: they propagate as in torch
     offset = (cc * shape.in_h + rr * shape.dilation[0]) * shape.in_w + ss * shape.dilation[1]
@@ -239,7 +239,10 @@ class TableConv2d:
         import cupy
 
         self.shape, self.epilogue, self.name = shape, epilogue, name
-        entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take
+        try:
+            entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         self.tiling = tiling or table_tiling(shape, 1, len(entries))
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id

@@ -869,3 +869,19 @@ def test_option_free_probes_refuse_stray_arguments(script):
     """The probes that take no options exit 2 on one, before any GPU work."""
     r = _bench(script, "--layers", "8")
     assert r.returncode == 2 and "unrecognized arguments: --layers 8" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("weight_shape, shape, needle", [
+    ((5, 6, 1, 1), ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)),
+     r"^conv9: weight_table: the weight must have shape \(5, 6, 3, 3\) for C=6 K=5"),
+    ((4, 2, 3, 3), ConvShape(4, 4, 5, 5, 3, 3, groups=2),
+     "^conv9: weight_table: .*grouped convs are not supported by the table family"),
+    ((2, 2, 9, 9), ConvShape(2, 2, 9, 9, 9, 9), "^conv9: weight_table: .*more than 64 taps"),
+])
+def test_the_table_kernel_refuses_a_layer_it_cannot_take_before_touching_a_gpu(weight_shape, shape, needle):
+    """sparseconv.TableConv2d: a ValueError naming the layer's shape and what
+    is wrong, raised while building the table, before any GPU work."""
+    from sparseconv.table import TableConv2d
+
+    with pytest.raises(ValueError, match=needle):
+        TableConv2d(np.ones(weight_shape, np.float32), None, shape, name="conv9")
