@@ -99,7 +99,10 @@ def test_sparsify_prune_reparametrised_convs(session_cache_dir):
     x = torch.randn(2, 3, 12, 12, device="cuda")
     fast = sct.sparsify(net, x, cache_dir=str(session_cache_dir), min_sparsity=0.5)
     plan = {p.name: p for p in fast.sparseconv_plan}
-    assert plan["stem"].action == "sparseconv" and abs(plan["stem"].sparsity - 0.9) < 0.01
+    # Compiled from the pruned weight (weight_orig * weight_mask); routing may
+    # send batch 1 to the table and batch 64 to the code ("mixed").
+    assert plan["stem"].action in ("sparseconv", "table", "mixed"), plan["stem"]
+    assert abs(plan["stem"].sparsity - 0.9) < 0.01
     with torch.no_grad():
         assert relative_l2(fast(x).cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
 
