@@ -131,7 +131,7 @@ def test_row_record_fills_every_method_column_and_serialises_with_the_old_keys()
     d = json.loads(json.dumps(row.to_dict()))
     assert list(d) == ["layer", "shape", "batch", "sparsity", "weight_sparsity", "nnz", "weights", "tiling",
                        "floor_us", "host_us", "us", "timing", "events_us", "graph_us", "graph_launches",
-                       "timing_notes", "speedup", "check", "errors"]
+                       "timing_notes", "speedup", "check", "errors", "path"]
     assert d["shape"] == SHAPE.describe() and d["weight_sparsity"] == pytest.approx(0.9)
     assert d["us"] == {"sparseconv": 10.0, "cudnn_fp32": 40.0} and d["graph_launches"]["cudnn_fp32"] == 7
     assert d["host_us"] == 15.0 and d["speedup"] == {"cudnn_fp32": pytest.approx(4.0)}
@@ -148,6 +148,60 @@ def test_speedups_pair_times_of_the_same_method():
     assert row.speedup == {"cudnn_fp32": pytest.approx(4.0)}
     row.graph_us["cudnn_fp32"] = None  # cuDNN fell back to events: both sides use events
     assert row.speedup["cudnn_fp32"] == pytest.approx(60.0 / 30.0)
+
+
+def test_the_sparseconv_figure_is_the_faster_path_compared_like_with_like():
+    row = _row("a", 1, None, {"code": 12.0, "table": 7.0, "cudnn_fp32": 42.0})
+    assert row.take_fastest() == "table" and row.us["sparseconv"] == 7.0 and row.path == {"sparseconv": "table"}
+    assert row.speedup == {"cudnn_fp32": pytest.approx(6.0)}  # code and table are no baselines
+    assert row.host_us == row.host_times_us["table"] and row.to_dict()["path"] == "table"
+    # the table has no graph figure: events against events, where the code wins
+    row.graph_us["table"], row.events_us["table"] = None, 40.0  # the code's events: 32
+    assert row.take_fastest() == "code" and row.us["sparseconv"] == 12.0
+    assert _row("b", 64, None, {"code": 12.0}).take_fastest() == "code"
+    assert _row("c", 64, None, {"cudnn_fp32": 1.0}).take_fastest() is None
+
+
+def test_bench_config_times_the_table_where_routing_would():
+    from sparseconv.table import MAX_TABLE_BATCH
+
+    dense, grouped = _shape(16, 16, 8, 3), ConvShape(16, 16, 8, 8, 3, 3, (1, 1), (1, 1), groups=4)
+    both = bm.BenchConfig()
+    assert both.times_table(dense, 1) and both.times_table(dense, MAX_TABLE_BATCH)
+    assert not both.times_table(dense, MAX_TABLE_BATCH + 1) and not both.times_table(grouped, 1)
+    only = bm.BenchConfig(paths=("table",))
+    assert only.times_table(dense, 64) and not only.times_table(grouped, 64)
+    assert not bm.BenchConfig(paths=("code",)).times_table(dense, 1)
+    for bad in ((), ("tabel",), ("code", "cudnn")):
+        with pytest.raises(ValueError, match="paths must be"):
+            bm.BenchConfig(paths=bad)
+
+
+def test_table_shows_both_paths_and_the_class_summary_counts_table_layers():
+    c3 = _shape(8, 8, 8, 3)
+    rows = []
+    for name, us in (("conv1", {"code": 3.0, "table": 9.0, "cudnn_fp32": 6.0}),
+                     ("b.conv2", {"code": 4.0, "table": 2.0, "cudnn_fp32": 8.0})):
+        rows.append(_row(name, 1, None, us, shape=c3))
+        rows[-1].take_fastest()
+    text = bm.format_table(_result(rows))
+    header = next(line for line in text.splitlines() if line.startswith("| layer"))
+    assert header.startswith("| layer | N | sparsity | sparseconv | code | table | cuDNN fp32 |")
+    assert "| b.conv2 | 1 | model | 2.0 | 4.0 | 2.0 | 8.0 | 4.00 |" in text
+    assert "the faster of its two paths" in text
+    got = {c["layer_class"]: c for c in _result(rows).classes}
+    assert got["3x3"]["on_table"] == 1 and got["3x3"]["sparseconv_us"] == pytest.approx(2.0)
+    assert "| 3x3 | 1 | 1 (1) | 2.0 | 8.0 |" in text
+    # a run without the table keeps the old columns
+    plain = bm.format_table(_result([_row("a", 1, 0.9, {"sparseconv": 1.0, "cudnn_fp32": 2.0})]))
+    assert "| sparseconv | cuDNN fp32 |" in plain and "| code |" not in plain
+
+
+def test_bench_cli_refuses_paths_with_a_network():
+    res = CliRunner().invoke(bench, ["--network", "resnet50", "--paths", "table"])
+    assert res.exit_code == 2 and "leave out --paths" in res.output
+    res = CliRunner().invoke(bench, ["--paths", "tabel"])
+    assert res.exit_code == 2 and "'tabel' is not one of" in res.output
 
 
 def test_geomean_speedups_per_sparsity_and_batch():
@@ -371,14 +425,27 @@ def test_bench_runs_two_small_layers(session_cache_dir):
         assert set(r["us"]) >= {"sparseconv", "cublas_gemm", "cusparse_spmm"}
         assert all(v > 0 for v in r["us"].values())
         assert r["host_us"] > 0 and r["floor_us"] > 0
-        assert r["check"]["sparseconv"]["ok"], r["check"]
+        assert r["check"]["sparseconv"]["ok"] and r["check"]["table"]["ok"], r["check"]  # batch <= 8: both
         assert all(c["ok"] for c in r["check"].values()), r["check"]
-        assert set(r["speedup"]) == set(r["us"]) - {"sparseconv"}
+        assert set(r["speedup"]) == set(r["us"]) - {"sparseconv", "code", "table"}
+        assert r["us"]["sparseconv"] == min(r["us"]["code"], r["us"]["table"]) == r["us"][r["path"]]
     assert result.meta["device"] and result.meta["cupy"]
     if result.meta["torch"] is not None:
         assert result.meta["cudnn"] and "cudnn_fp32" in rows[0]["us"]
     assert "| resnet-conv2 | 4 |" in bm.format_table(result)
     json.dumps(result.to_dict())
+
+
+@pytest.mark.gpu
+def test_bench_times_the_table_alone_at_any_batch(session_cache_dir):
+    layers = bm.select_layers(bm.benchmark_layers(), "resnet-conv2")
+    config = bm.BenchConfig(batches=(16,), repeat=3, max_seconds=0.2, cache_dir=str(session_cache_dir),
+                            baselines=("cudnn_fp32",), paths=("table",))
+    (row,) = [r.to_dict() for r in bm.run_bench(layers, config, log=lambda s: None).rows]
+    assert not row["errors"] and row["path"] == "table" and "code" not in row["us"]
+    assert row["us"]["sparseconv"] == row["us"]["table"] > 0
+    assert row["check"]["table"]["ok"] and "sparseconv" not in row["check"], row["check"]
+    assert row["tiling"].startswith("weight table")
 
 
 @pytest.mark.gpu

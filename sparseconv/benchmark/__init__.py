@@ -2,7 +2,11 @@
 dense and sparse libraries a user would pick instead, on one GPU, in one run.
 
 For each layer, sparsity and batch size it times:
-  * sparseconv       the weight-specialised kernel (`compile_conv2d`);
+  * sparseconv       the faster of sparseconv's two kernels in the row
+                     (--paths): "code", the weight-specialised kernel
+                     (`compile_conv2d`), and "table", the weight table
+                     (`sparseconv.table.TableConv2d`, at batch <= 8 when both
+                     are timed, as routing does); each has its own column too;
   * cudnn_fp32       torch.nn.functional.conv2d, TF32 off (exact fp32);
   * cudnn_tf32       the same with TF32 on (PyTorch's default for convs);
   * cublas_gemm      im2col + cupy.matmul (cuBLAS SGEMM), im2col included;
@@ -16,7 +20,8 @@ Each row says which. The host-side latency of the sparseconv call is reported
 separately, and the performance floor of ../shared/DESIGN.md beside it.
 
 Inputs are fresh random normals. The sparseconv output is checked against
-cuDNN fp32 (or a float64 im2col reference without torch) at every batch, and
+cuDNN fp32 (or a float64 im2col reference without torch) at every batch (the
+table's output too, check key "table"), and
 the im2col baselines against the float64 reference once per layer and
 weights, so a wrong kernel or baseline cannot produce a flattering ratio.
 
@@ -27,9 +32,9 @@ The package: rows.py (the row record, the floor), baselines.py (cuDNN, cuBLAS,
 cuSPARSE, im2col), run.py (run_bench), report.py (geomeans, the summary by
 layer class, the table, the plot), cli.py (the click command)."""
 from .report import BenchResult, class_summary, format_table, geomean, geomean_speedups, layer_class, plot_sweep
-from .rows import BASELINES, MAX_REL_L2, BenchError, BenchRow, Check, floor_us
+from .rows import BASELINES, MAX_REL_L2, PATHS, BenchError, BenchRow, Check, floor_us
 from .run import BenchConfig, BenchLayer, benchmark_layers, layer_weight, model_bench_layers, run_bench, select_layers
 
-__all__ = ["BASELINES", "MAX_REL_L2", "BenchConfig", "BenchError", "BenchLayer", "BenchResult", "BenchRow", "Check",
+__all__ = ["BASELINES", "MAX_REL_L2", "PATHS", "BenchConfig", "BenchError", "BenchLayer", "BenchResult", "BenchRow", "Check",
            "benchmark_layers", "class_summary", "floor_us", "format_table", "geomean", "geomean_speedups",
            "layer_class", "layer_weight", "model_bench_layers", "plot_sweep", "run_bench", "select_layers"]

@@ -17,7 +17,8 @@ from ..compile import CompileError, ToolNotFoundError
 from .network import VARIANTS as NETWORK_VARIANTS
 from .network import network_command
 from .report import BenchResult, format_table, plot_sweep, require_matplotlib
-from .rows import BASELINES, BenchError
+from ..table import MAX_TABLE_BATCH
+from .rows import BASELINES, PATHS, BenchError
 from .run import BenchConfig, BenchLayer, benchmark_layers, model_bench_layers, run_bench, select_layers
 
 SWEEP = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -90,6 +91,11 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
               help="Batch size; repeat the option for several [default: 1 and 64].")
 @click.option("--baselines", "baselines_text", default="all", show_default=True,
               help="Comma list among cudnn_fp32, cudnn_tf32, cublas_gemm, cusparse_spmm; or all, or none.")
+@click.option("--paths", "paths_text", type=click.Choice(["both", "code", "table"]), default="both",
+              show_default=True,
+              help="sparseconv's kernels to time: code (weights in the instructions), table (the weight table, "
+                   f"sparseconv.table), or both (the table at batch <= {MAX_TABLE_BATCH}, as routing does); the "
+                   "sparseconv column is the faster.")
 @click.option("--repeat", type=click.IntRange(1), default=50, show_default=True,
               help="Timed calls (and graph replays) per figure.")
 @click.option("--max-seconds", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
@@ -108,7 +114,7 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 @click.pass_context
 def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
           layer_globs: str, sparsity: Optional[str], sweep: bool, batches: Tuple[int, ...], baselines_text: str,
-          repeat: int, max_seconds: float, graphs: bool, cudnn_benchmark: bool, seed: int,
+          paths_text: str, repeat: int, max_seconds: float, graphs: bool, cudnn_benchmark: bool, seed: int,
           json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path],
           jobs: Optional[int]) -> None:
     """Time sparseconv kernels against cuDNN fp32 and TF32 (torch), cuBLAS
@@ -127,6 +133,9 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
     if network is not None:
         if model_path is not None or sweep:
             raise click.UsageError("--network times a whole network: leave out --model and --sweep")
+        if paths_text != "both":
+            raise click.UsageError("--paths picks the kernels of a layer timing; --network routes each layer as "
+                                   "sparsify does (code, table or cuDNN fp32): leave out --paths")
         try:
             sparsity_value = float(sparsity) if sparsity is not None else 0.9
         except ValueError:
@@ -156,7 +165,8 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
     config = BenchConfig(batches=tuple(dict.fromkeys(batches)) or (1, 64), sparsities=sparsities,
                          baselines=baselines, repeat=repeat, max_seconds=max_seconds, seed=seed,
                          cache_dir=str(cache_dir) if cache_dir else None, graphs=graphs,
-                         cudnn_benchmark=cudnn_benchmark, jobs=jobs)
+                         cudnn_benchmark=cudnn_benchmark, jobs=jobs,
+                         paths=PATHS if paths_text == "both" else (paths_text,))
     result = _run(layers, config, invoked_command())
     click.echo(format_table(result))
     if json_path is not None:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..shapes import ConvShape
-from .rows import BASELINES, BenchError, BenchRow
+from .rows import BASELINES, PATHS, BenchError, BenchRow
 
-LABELS = {"sparseconv": "sparseconv", "cudnn_fp32": "cuDNN fp32", "cudnn_tf32": "cuDNN TF32",
-          "cublas_gemm": "cuBLAS im2col+GEMM", "cusparse_spmm": "cuSPARSE im2col+SpMM"}
-SHORT = {"sparseconv": "sparseconv", "cudnn_fp32": "fp32", "cudnn_tf32": "TF32", "cublas_gemm": "GEMM",
-         "cusparse_spmm": "SpMM"}
+LABELS = {"sparseconv": "sparseconv", "code": "code", "table": "table", "cudnn_fp32": "cuDNN fp32",
+          "cudnn_tf32": "cuDNN TF32", "cublas_gemm": "cuBLAS im2col+GEMM", "cusparse_spmm": "cuSPARSE im2col+SpMM"}
+SHORT = {"sparseconv": "sparseconv", "code": "code", "table": "table", "cudnn_fp32": "fp32", "cudnn_tf32": "TF32",
+         "cublas_gemm": "GEMM", "cusparse_spmm": "SpMM"}
 # The layer classes of the --model summary, in print order (issue 12: each class calls for its own kernel).
 # The order of the summary; every class layer_class returns is here, so no layer drops out of it
 LAYER_CLASSES = ("stem", "3x3", "strided 3x3", "1x1", "strided 1x1", "other")
@@ -105,7 +105,8 @@ def class_summary(rows: Sequence[BenchRow]) -> List[Dict[str, Any]]:
                 m: sum(r.us[m] for r in sel) if all(m in r.us for r in sel) else None for m in CLASS_METHODS}
             floor = sum(r.floor_us for r in sel)
             sc = sums["sparseconv"]
-            out.append(dict(batch=batch, layer_class=cls, layers=len(sel), sparseconv_us=sc,
+            out.append(dict(batch=batch, layer_class=cls, layers=len(sel),
+                            on_table=sum(r.path.get("sparseconv") == "table" for r in sel), sparseconv_us=sc,
                             cudnn_fp32_us=sums["cudnn_fp32"], cudnn_tf32_us=sums["cudnn_tf32"], floor_us=floor,
                             x_cudnn_fp32=_ratio(sums["cudnn_fp32"], sc), x_cudnn_tf32=_ratio(sums["cudnn_tf32"], sc),
                             per_floor=_ratio(sc, floor)))
@@ -129,7 +130,7 @@ def check_cell(row: BenchRow) -> str:
            for m, c in row.check.items() if not c.ok]
     if bad:
         return "FAIL " + "; ".join(bad)
-    return "ok" if "sparseconv" in row.check else "sparseconv unchecked"
+    return "ok" if "sparseconv" in row.check or "table" in row.check else "sparseconv unchecked"
 
 
 def format_table(result: BenchResult) -> str:
@@ -137,15 +138,18 @@ def format_table(result: BenchResult) -> str:
     the summary by layer class (--model), notes."""
     meta, rows = result.meta, result.rows
     baselines = [b for b in BASELINES if any(b in r.us or b in r.errors for r in rows)]
+    # Both paths' own columns only when the table was timed: else "sparseconv" is the code's time.
+    paths = list(PATHS) if any("table" in r.us or "table" in r.errors for r in rows) else []
     lines = [f"# {meta.get('device', '?')}, {meta.get('date', '?')}: median kernel time in us; "
              f"x = baseline time / sparseconv time (above 1: sparseconv faster)", ""]
-    head = (["layer", "N", "sparsity", "sparseconv"] + [LABELS[b] for b in baselines]
+    head = (["layer", "N", "sparsity", "sparseconv"] + [LABELS[p] for p in paths] + [LABELS[b] for b in baselines]
             + [f"x {SHORT[b]}" for b in baselines] + ["floor", "/floor", "host call", "check"])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         sp = "model" if r.sparsity is None else f"{r.sparsity:g}"
         speedup = r.speedup
         cells = [r.layer, str(r.batch), sp, _fmt_us(r, "sparseconv")]
+        cells += [_fmt_us(r, p) for p in paths]
         cells += [_fmt_us(r, b) for b in baselines]
         cells += [f"{speedup[b]:.2f}" if b in speedup else "-" for b in baselines]
         sc = r.us.get("sparseconv")
@@ -164,6 +168,9 @@ def format_table(result: BenchResult) -> str:
     classes = result.classes
     if classes:
         lines += format_classes(classes) + [""]
+    if paths:
+        lines.append("sparseconv: the faster of its two paths in the row, code (weights in the instructions) "
+                     "and table (the weight table, sparseconv.table), as routing picks between them.")
     lines.append("Times without * are CUDA-graph replays (launch overhead excluded); * marks calls timed "
                  "one by one with CUDA events (host launch gap included). Each x compares like with like: "
                  "graph replays when both sides have one, else events for both. floor: DESIGN.md's "
@@ -183,10 +190,12 @@ def format_classes(classes: Sequence[Dict[str, Any]]) -> List[str]:
     lines = ["Summed by layer class (us; x = summed cuDNN time / summed sparseconv time; stem: the first conv "
              "or C <= 4; 3x3: any k x k > 1 at stride 1, strided 3x3 at a larger one; - : a layer of the class "
              "has no time for it):", "",
-             "| class | N | layers | sparseconv | cuDNN fp32 | cuDNN TF32 | floor | x fp32 | x TF32 | /floor |",
+             "| class | N | layers (on the table) | sparseconv | cuDNN fp32 | cuDNN TF32 | floor | x fp32 | x TF32 "
+             "| /floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in classes:
-        lines.append(f"| {c['layer_class']} | {c['batch']} | {c['layers']} | {us(c['sparseconv_us'])} | "
+        on_table = f" ({c['on_table']})" if c.get("on_table") else ""
+        lines.append(f"| {c['layer_class']} | {c['batch']} | {c['layers']}{on_table} | {us(c['sparseconv_us'])} | "
                      f"{us(c['cudnn_fp32_us'])} | {us(c['cudnn_tf32_us'])} | {c['floor_us']:.1f} | "
                      f"{x(c['x_cudnn_fp32'])} | {x(c['x_cudnn_tf32'])} | {x(c['per_floor'])} |")
     return lines

@@ -5,12 +5,16 @@ A leaf of the benchmark package: the shapes and the timing record only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from ..shapes import ConvShape
 from ..timing import Timing
 
 BASELINES = ("cudnn_fp32", "cudnn_tf32", "cublas_gemm", "cusparse_spmm")
+# sparseconv's two kernel families (--paths): "code", the weight-specialised
+# kernel (weights in the instruction stream), and "table", the weight table
+# (sparseconv.table). A row's "sparseconv" figure is the faster of those timed.
+PATHS = ("code", "table")
 TORCH_BASELINES = ("cudnn_fp32", "cudnn_tf32")
 # The H100 figures of ../shared/DESIGN.md's performance model.
 PEAK_FP32_FLOPS = 66.9e12
@@ -74,6 +78,8 @@ class BenchRow:
     host_times_us: Dict[str, float] = field(default_factory=dict)  # host-side latency per call
     check: Dict[str, Check] = field(default_factory=dict)
     errors: Dict[str, str] = field(default_factory=dict)
+    path: Dict[str, str] = field(default_factory=dict)             # "sparseconv" -> the path its figure is from
+    _timings: Dict[str, Timing] = field(default_factory=dict, repr=False)
 
     @property
     def weight_sparsity(self) -> float:
@@ -91,8 +97,25 @@ class BenchRow:
         self.graph_us[method] = t.graph_us
         self.graph_launches[method] = t.graph_launches
         self.host_times_us[method] = t.host_us
+        self._timings[method] = t
         if t.note:
             self.timing_notes[method] = t.note
+
+    def take_fastest(self, paths: Sequence[str] = PATHS) -> Optional[str]:
+        """Record the fastest of the `paths` timed in this row as "sparseconv" (what
+        routing between the two families runs) and return its name; None if none
+        was timed. Compared like with like (pair_us)."""
+        timed = [p for p in paths if p in self.us]
+        if not timed:
+            return None
+        best = timed[0]
+        for p in timed[1:]:
+            pair = self.pair_us(p, best)
+            if pair is not None and pair[0] < pair[1]:
+                best = p
+        self.record("sparseconv", self._timings[best])
+        self.path["sparseconv"] = best
+        return best
 
     def add_check(self, method: str, check: Check) -> None:
         self.check[method] = check
@@ -114,7 +137,7 @@ class BenchRow:
         """baseline time / sparseconv time, per baseline present in the row."""
         out = {}
         for b in self.us:
-            if b != "sparseconv":
+            if b in BASELINES:
                 pair = self.pair_us(b, "sparseconv")
                 if pair is not None:
                     out[b] = pair[0] / pair[1]
@@ -132,4 +155,4 @@ class BenchRow:
                     events_us=dict(self.events_us), graph_us=dict(self.graph_us),
                     graph_launches=dict(self.graph_launches), timing_notes=dict(self.timing_notes),
                     speedup=self.speedup, check={m: c.to_dict() for m, c in self.check.items()},
-                    errors=dict(self.errors))
+                    errors=dict(self.errors), path=self.path.get("sparseconv"))

@@ -21,11 +21,12 @@ from ..api import compile_conv2d
 from ..operators import benchmark_operators
 from ..parallel import LayerJob, build_many
 from ..shapes import ConvShape, batch_variants, default_tiling
+from ..table import MAX_TABLE_BATCH, TableConv2d, table_supported
 from ..testing import pruned_weight, relative_l2
 from ..timing import Capture, cupy_graph, one_line, time_gpu, torch_graph
 from .baselines import IM2COL_BASELINES, check_baselines, cudnn_launch, im2col_runners, import_torch
 from .report import SHORT, BenchResult, check_cell
-from .rows import BASELINES, MAX_REL_L2, TORCH_BASELINES, BenchError, BenchRow, Check, floor_us
+from .rows import BASELINES, MAX_REL_L2, PATHS, TORCH_BASELINES, BenchError, BenchRow, Check, floor_us
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,19 @@ class BenchConfig:
     graphs: bool = True             # also time CUDA graph replays
     cudnn_benchmark: bool = True    # let cuDNN autotune: the strongest dense baseline
     jobs: Optional[int] = None      # parallel kernel builds
+    # sparseconv's families to time (rows.PATHS): with both, the table at batch
+    # sizes up to MAX_TABLE_BATCH only, as routing does; with ("table",) alone, at every batch.
+    paths: Sequence[str] = PATHS
+
+    def __post_init__(self) -> None:
+        if not self.paths or any(p not in PATHS for p in self.paths):
+            raise ValueError(f"paths must be a non-empty selection of {', '.join(PATHS)}, got {self.paths!r}")
+
+    def times_table(self, shape: ConvShape, batch: int) -> bool:
+        """Whether this run times `shape` at `batch` through the weight table."""
+        if "table" not in self.paths or table_supported(shape) is not None:
+            return False
+        return batch <= MAX_TABLE_BATCH or "code" not in self.paths
 
 
 # --------------------------------------------------------------------------- layers and weights (CPU)
@@ -142,6 +156,8 @@ def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.nd
     in a process pool first (CPU only), so the timing loop only loads cached
     cubins."""
     shapes = {layer.name: layer.shape for layer in layers}
+    if "code" not in config.paths:
+        return
     jobs = [LayerJob(f"{name}@{sp}#{i}", w, shapes[name], t)
             for (name, sp), w in weights.items()
             for i, (_, t) in enumerate(batch_variants(shapes[name], default_tiling(shapes[name])))]
@@ -178,7 +194,10 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
     meta = environment(torch, device)
     meta.update(command=command, batches=list(config.batches), baselines=baselines, repeat=config.repeat,
                 max_seconds=config.max_seconds, seed=config.seed, cudnn_benchmark=config.cudnn_benchmark,
-                graphs=config.graphs, max_rel_l2=MAX_REL_L2,
+                graphs=config.graphs, max_rel_l2=MAX_REL_L2, paths=list(config.paths),
+                sparseconv_figure=("the faster of the paths timed in the row: code (the weight-specialised "
+                                   f"kernel) and table (the weight table, at batch <= {MAX_TABLE_BATCH} when "
+                                   "both are timed); 'path' says which"),
                 sparsities=None if all(layer.weight is not None for layer in layers) else list(config.sparsities),
                 timing=("median of cupyx.profiler.benchmark gpu_times (CUDA events); 'graph': a CUDA graph of "
                         "k launches replayed and divided by k; 'events': one Python call between two events"),
@@ -197,15 +216,18 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
     with nograd:
         for (name, sp), w in weights.items():
             layer, s = by_name[name], by_name[name].shape
-            conv = compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=layer.bias, stride=s.stride,
-                                  padding=s.padding, dilation=s.dilation, groups=s.groups,
-                                  cache_dir=config.cache_dir, name=name)
+            kernels = _sparseconv_kernels(layer, w, config)
             nnz = int(np.count_nonzero(w))
             base_check = check_baselines(s, w, baselines, rng)
             for batch in config.batches:
+                timed = {p: k for p, k in kernels.items() if p == "code" or config.times_table(s, batch)}
+                tilings = "; ".join(f"{p}: {k.stats.get('tiling')}" if len(timed) > 1 else str(k.stats.get("tiling"))
+                                    for p, k in timed.items())
                 row = BenchRow(layer=name, shape=s, batch=batch, sparsity=sp, nnz=nnz, weights=int(w.size),
-                               tiling=conv.stats.get("tiling"), floor_us=floor_us(s, batch, nnz))
-                _time_row(row, conv, layer, w, baselines, torch, config, rng, cupy_capture, torch_capture)
+                               tiling=tilings or None, floor_us=floor_us(s, batch, nnz))
+                if not timed:
+                    row.fail("sparseconv", f"table: {table_supported(s)}; time it with --paths code or both")
+                _time_row(row, timed, layer, w, baselines, torch, config, rng, cupy_capture, torch_capture)
                 for b, c in base_check.items():
                     row.add_check(b, c)
                 rows.append(row)
@@ -214,20 +236,44 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
     return BenchResult(meta, rows, notes)
 
 
-def _time_row(row: BenchRow, conv: Any, layer: BenchLayer, w: np.ndarray, baselines: Sequence[str], torch: Any,
-              config: BenchConfig, rng: Any, cupy_capture: Optional[Capture],
+def _sparseconv_kernels(layer: BenchLayer, w: np.ndarray, config: BenchConfig) -> Dict[str, Any]:
+    """The layer's kernel per path of config.paths that could time it at some batch."""
+    s = layer.shape
+    kernels: Dict[str, Any] = {}
+    if "code" in config.paths:
+        kernels["code"] = compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=layer.bias, stride=s.stride,
+                                         padding=s.padding, dilation=s.dilation, groups=s.groups,
+                                         cache_dir=config.cache_dir, name=layer.name)
+    if any(config.times_table(s, b) for b in config.batches):
+        kernels["table"] = TableConv2d(w, layer.bias, s, name=layer.name)  # routing's tiling (the rule)
+    return kernels
+
+
+# The check key of each path's output ("sparseconv": the code's, as before the table was timed).
+_CHECK_KEY = {"code": "sparseconv", "table": "table"}
+
+
+def _time_row(row: BenchRow, kernels: Dict[str, Any], layer: BenchLayer, w: np.ndarray, baselines: Sequence[str],
+              torch: Any, config: BenchConfig, rng: Any, cupy_capture: Optional[Capture],
               torch_capture: Optional[Capture]) -> None:
     import cupy
 
     s, batch = layer.shape, row.batch
     timed = dict(repeat=config.repeat, max_seconds=config.max_seconds)
     x = rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
-    out = cupy.empty(conv.output_shape(batch), cupy.float32)
-    try:
-        row.record("sparseconv", time_gpu(lambda: conv(x, out=out), capture=cupy_capture, **timed))
-        conv(x, out=out)
-    except Exception as exc:  # recorded, and the baselines still run; the row shows no speedup
-        row.fail("sparseconv", one_line(exc))
+    outs = {}
+    for path, kernel in kernels.items():
+        out = outs[path] = cupy.empty(kernel.output_shape(batch), cupy.float32)
+        try:
+            row.record(path, time_gpu(lambda: kernel(x, out=out), capture=cupy_capture, **timed))
+            kernel(x, out=out)
+        except Exception as exc:  # recorded, and the baselines still run; the row shows no speedup
+            row.fail(path, one_line(exc))
+    row.take_fastest()
+
+    def check_outputs(ref_name: str, ref: Any) -> None:
+        for path, out in outs.items():
+            row.add_check(_CHECK_KEY[path], Check.of(ref_name, relative_l2(out, ref, cupy)))
 
     if torch is not None:
         run = cudnn_launch(torch, s, w, layer.bias, x)
@@ -237,14 +283,13 @@ def _time_row(row: BenchRow, conv: Any, layer: BenchLayer, w: np.ndarray, baseli
                     if name in baselines:
                         row.record(name, time_gpu(run, capture=torch_capture, **timed))
                     if name == "cudnn_fp32":  # the correctness check runs even when it is not timed
-                        row.add_check("sparseconv", Check.of("cudnn_fp32",
-                                                             relative_l2(out, cupy.asarray(run()), cupy)))
+                        check_outputs("cudnn_fp32", cupy.asarray(run()))
             except Exception as exc:
                 row.fail(name, one_line(exc))
     else:
         try:
             ref = conv2d_im2col(x, w, s, layer.bias, cupy)
-            row.add_check("sparseconv", Check.of("float64 im2col", relative_l2(out, ref, cupy)))
+            check_outputs("float64 im2col", ref)
             del ref
         except cupy.cuda.memory.OutOfMemoryError as exc:
             row.fail("check", one_line(exc))
