@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from .build import CompiledLayer
 from .dense import dense_conv2d
 from .ptx import ptx_version
-from .shapes import ANY_BATCH, Target
+from .shapes import ANY_BATCH, ConvShape, Target
 
 
 
@@ -148,6 +149,116 @@ def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
          np.int32(hi is not None), np.float32(hi or 0.0)))
 
 
+@dataclass(frozen=True)
+class CallContract:
+    """What a conv kernel's call accepts, checked the same way for every
+    family (Conv2dKernel, table.TableConv2d): x an (N, C, H, W) float32
+    C-contiguous CUDA array on the kernel's GPU (CuPy, or a torch tensor
+    through __cuda_array_interface__ / DLPack, without grad); out a CuPy
+    array of the output shape, apart from x; a residual exactly where the
+    kernel was compiled with one; `stream` CuPy's or torch's."""
+
+    name: str              # the layer, for the messages
+    shape: ConvShape
+    residual: bool         # whether the kernel adds a residual
+    device_id: int
+
+    def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
+        return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
+
+    def arrays(self, x: Any, out: Any, residual: Any) -> Tuple[Any, Any, Any]:
+        """(x, out, residual) as CuPy arrays, checked; out allocated when None."""
+        import cupy
+
+        x = self.input(x)
+        out = cupy.empty(self.output_shape(x.shape[0]), dtype=cupy.float32) if out is None else self.out(out, x)
+        return x, out, self.residual_of(residual, x, out)
+
+    def stream(self, stream: Any) -> Any:
+        """The stream to launch on, as a context: `stream`, or CuPy's current one."""
+        import cupy
+
+        return cupy.cuda.get_current_stream() if stream is None else as_cupy_stream(stream, self.device_id,
+                                                                                     self.name)
+
+    def as_cupy(self, x: Any) -> Any:
+        """x as a CuPy array on this kernel's GPU (no copy), float32, or an error saying what to pass."""
+        import cupy
+
+        if isinstance(x, np.ndarray):
+            raise TypeError(f"{self.name}: x is a NumPy (host) array; pass a CUDA array, "
+                            "e.g. cupy.asarray(x)")
+        # before the interface test: torch raises RuntimeError for a grad tensor's __cuda_array_interface__
+        if getattr(x, "requires_grad", False):
+            raise ValueError(f"{self.name}: x requires grad; sparseconv kernels are inference-only "
+                             "(use torch.no_grad() or x.detach())")
+        if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
+            raise TypeError(f"{self.name}: x must be a CUDA array (CuPy array or CUDA torch tensor), "
+                            f"got {type(x).__name__}")
+        if hasattr(x, "is_cuda") and not x.is_cuda:
+            raise TypeError(f"{self.name}: x is a CPU tensor; move it to the GPU first (x.cuda())")
+        x = x if isinstance(x, cupy.ndarray) else cupy.asarray(x)
+        if x.device.id != self.device_id:
+            raise ValueError(f"{self.name}: x is on GPU {x.device.id}, the kernel was loaded on GPU "
+                             f"{self.device_id}")
+        if x.dtype != cupy.float32:
+            raise TypeError(f"{self.name}: x must be float32, got {x.dtype}")
+        return x
+
+    def input(self, x: Any) -> Any:
+        x = self.as_cupy(x)
+        s = self.shape
+        if x.ndim != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
+            raise ValueError(f"{self.name}: x must have shape (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
+                             f"got {tuple(x.shape)}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{self.name}: x must be C-contiguous (NCHW); use cupy.ascontiguousarray(x)")
+        return x
+
+    def out(self, out: Any, x: Any) -> Any:
+        import cupy
+
+        want = self.output_shape(x.shape[0])
+        if not isinstance(out, cupy.ndarray):
+            raise TypeError(f"{self.name}: out must be a cupy.ndarray, got {type(out).__name__}")
+        if out.dtype != cupy.float32 or tuple(out.shape) != want or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out must be a C-contiguous float32 array of shape {want}, "
+                             f"got {out.dtype} {tuple(out.shape)}"
+                             f"{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+        if out.device.id != self.device_id:
+            raise ValueError(f"{self.name}: out is on GPU {out.device.id}, expected GPU {self.device_id}")
+        x_lo, x_hi = x.data.ptr, x.data.ptr + x.nbytes
+        o_lo, o_hi = out.data.ptr, out.data.ptr + out.nbytes
+        if x_lo < o_hi and o_lo < x_hi:
+            raise ValueError(f"{self.name}: out overlaps x; the kernel cannot run in place")
+        return out
+
+    def residual_of(self, residual: Any, x: Any, out: Any) -> Any:
+        import cupy
+
+        name = self.name
+        if not self.residual:
+            if residual is not None:
+                raise ValueError(f"{name}: got a residual, but the kernel was compiled without one "
+                                 "(compile with residual=True)")
+            return None
+        if residual is None:
+            raise ValueError(f"{name}: the kernel adds a residual; pass residual=<(N, K, Ho, Wo) array>")
+        if hasattr(residual, "requires_grad") and residual.requires_grad:
+            raise ValueError(f"{name}: residual requires grad; sparseconv kernels are inference-only")
+        r = residual if isinstance(residual, cupy.ndarray) else cupy.asarray(residual)
+        want = self.output_shape(x.shape[0])
+        if r.dtype != cupy.float32 or tuple(r.shape) != want or not r.flags.c_contiguous:
+            raise ValueError(f"{name}: residual must be a C-contiguous float32 array of shape {want}, "
+                             f"got {r.dtype} {tuple(r.shape)}")
+        if r.device.id != self.device_id:
+            raise ValueError(f"{name}: residual is on GPU {r.device.id}, expected GPU {self.device_id}")
+        if r.data.ptr < out.data.ptr + out.nbytes and out.data.ptr < r.data.ptr + r.nbytes \
+                and r.data.ptr != out.data.ptr:
+            raise ValueError(f"{name}: residual partly overlaps out (it may be out itself, or apart from it)")
+        return r
+
+
 class Conv2dKernel:
     """A pruned conv layer compiled to a specialised kernel on one GPU.
 
@@ -181,6 +292,7 @@ class Conv2dKernel:
         if any(v.shape != self.shape or v.epilogue != self.epilogue for _, v in variants):
             raise ValueError("variants of a kernel must share the layer shape and epilogue")
         self.device_id = cupy.cuda.Device().id
+        self.contract = CallContract(self.layer.name, self.shape, self.epilogue.residual, self.device_id)
         # (up_to_batch, layer, function); the module is kept alive beside its function
         loaded = [(up_to, v, load_kernel(v.artifact, v.artifact_suffix, v.entry)) for up_to, v in variants]
         for _, v, (_, fn) in loaded:
@@ -206,94 +318,11 @@ class Conv2dKernel:
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
         return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
 
-    def _as_cupy(self, x: Any) -> Any:
-        """x as a CuPy array on this kernel's GPU (no copy), float32, or an error saying what to pass."""
-        import cupy
-
-        if isinstance(x, np.ndarray):
-            raise TypeError(f"{self.layer.name}: x is a NumPy (host) array; pass a CUDA array, "
-                            "e.g. cupy.asarray(x)")
-        if not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
-            raise TypeError(f"{self.layer.name}: x must be a CUDA array (CuPy array or CUDA torch tensor), "
-                            f"got {type(x).__name__}")
-        if hasattr(x, "requires_grad") and getattr(x, "requires_grad"):
-            raise ValueError(f"{self.layer.name}: x requires grad; sparseconv kernels are inference-only "
-                             "(use torch.no_grad() or x.detach())")
-        if hasattr(x, "is_cuda") and not x.is_cuda:
-            raise TypeError(f"{self.layer.name}: x is a CPU tensor; move it to the GPU first (x.cuda())")
-        x = x if isinstance(x, cupy.ndarray) else cupy.asarray(x)
-        if x.device.id != self.device_id:
-            raise ValueError(f"{self.layer.name}: x is on GPU {x.device.id}, the kernel was loaded on GPU "
-                             f"{self.device_id}")
-        if x.dtype != cupy.float32:
-            raise TypeError(f"{self.layer.name}: x must be float32, got {x.dtype}")
-        return x
-
-    def _check_input(self, x: Any) -> Any:
-        x = self._as_cupy(x)
-        s = self.shape
-        if x.ndim != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
-            raise ValueError(f"{self.layer.name}: x must have shape (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
-                             f"got {tuple(x.shape)}")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"{self.layer.name}: x must be C-contiguous (NCHW); use cupy.ascontiguousarray(x)")
-        return x
-
-    def _check_out(self, out: Any, x: Any) -> Any:
-        import cupy
-
-        want = self.output_shape(x.shape[0])
-        if not isinstance(out, cupy.ndarray):
-            raise TypeError(f"{self.layer.name}: out must be a cupy.ndarray, got {type(out).__name__}")
-        if out.dtype != cupy.float32 or tuple(out.shape) != want or not out.flags.c_contiguous:
-            raise ValueError(f"{self.layer.name}: out must be a C-contiguous float32 array of shape {want}, "
-                             f"got {out.dtype} {tuple(out.shape)}"
-                             f"{'' if out.flags.c_contiguous else ' (not contiguous)'}")
-        if out.device.id != self.device_id:
-            raise ValueError(f"{self.layer.name}: out is on GPU {out.device.id}, expected GPU {self.device_id}")
-        x_lo, x_hi = x.data.ptr, x.data.ptr + x.nbytes
-        o_lo, o_hi = out.data.ptr, out.data.ptr + out.nbytes
-        if x_lo < o_hi and o_lo < x_hi:
-            raise ValueError(f"{self.layer.name}: out overlaps x; the kernel cannot run in place")
-        return out
-
-    def _check_residual(self, residual: Any, x: Any, out: Any) -> Any:
-        import cupy
-
-        name = self.layer.name
-        if not self.epilogue.residual:
-            if residual is not None:
-                raise ValueError(f"{name}: got a residual, but the kernel was compiled without one "
-                                 "(compile with residual=True)")
-            return None
-        if residual is None:
-            raise ValueError(f"{name}: the kernel adds a residual; pass residual=<(N, K, Ho, Wo) array>")
-        if hasattr(residual, "requires_grad") and residual.requires_grad:
-            raise ValueError(f"{name}: residual requires grad; sparseconv kernels are inference-only")
-        r = residual if isinstance(residual, cupy.ndarray) else cupy.asarray(residual)
-        want = self.output_shape(x.shape[0])
-        if r.dtype != cupy.float32 or tuple(r.shape) != want or not r.flags.c_contiguous:
-            raise ValueError(f"{name}: residual must be a C-contiguous float32 array of shape {want}, "
-                             f"got {r.dtype} {tuple(r.shape)}")
-        if r.device.id != self.device_id:
-            raise ValueError(f"{name}: residual is on GPU {r.device.id}, expected GPU {self.device_id}")
-        if r.data.ptr < out.data.ptr + out.nbytes and out.data.ptr < r.data.ptr + r.nbytes \
-                and r.data.ptr != out.data.ptr:
-            raise ValueError(f"{name}: residual partly overlaps out (it may be out itself, or apart from it)")
-        return r
-
     def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
-        import cupy
-
-        x = self._check_input(x)
-        out = cupy.empty(self.output_shape(x.shape[0]), dtype=cupy.float32) if out is None \
-            else self._check_out(out, x)
-        residual = self._check_residual(residual, x, out)
+        x, out, residual = self.contract.arrays(x, out, residual)
         if x.shape[0] == 0:
             return out
-        if stream is not None:
-            stream = as_cupy_stream(stream, self.device_id, self.layer.name)
-        with (stream if stream is not None else cupy.cuda.get_current_stream()):
+        with self.contract.stream(stream):
             self._launch(x, out, residual)
         return out
 
@@ -417,7 +446,7 @@ class LinearKernel:
         if shape[1] != self.in_features:
             raise ValueError(f"{self.name}: x has {shape[1]} features, this layer takes {self.in_features}: "
                              f"expected shape (N, {self.in_features}), got {shape}")
-        x = self.conv._as_cupy(x)
+        x = self.conv.contract.as_cupy(x)
         if not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: x must be C-contiguous; use cupy.ascontiguousarray(x)")
         n = x.shape[0]

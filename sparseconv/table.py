@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from .runtime import CallContract
 from .shapes import ConvShape, Epilogue
 
 # An entry's first word (unsigned): the byte offset of its weight's input
@@ -228,9 +229,10 @@ _functions: Dict[Tuple[int, str], Any] = {}  # (device, source) -> compiled func
 
 class TableConv2d:
     """A conv layer through the table family on the current GPU, with the call
-    contract of runtime.Conv2dKernel: kernel(x, out=None, residual=None) -> y,
-    on CuPy's current stream. `tiling` None: table_tiling's rule at batch 1
-    for the weight's nonzeros."""
+    of runtime.Conv2dKernel (runtime.CallContract: the same checks):
+    kernel(x, out=None, stream=None, residual=None) -> y, asynchronous on
+    `stream` (default: CuPy's current stream). `tiling` None: table_tiling's
+    rule at batch 1 for the weight's nonzeros."""
 
     backend = "table"
 
@@ -246,6 +248,7 @@ class TableConv2d:
         self.tiling = tiling or table_tiling(shape, 1, len(entries))
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
+        self.contract = CallContract(name, shape, epilogue.residual, self.device_id)
         self._entries = cupy.asarray(entries if len(entries) else np.zeros((1, 2), np.int32))
         self._starts = cupy.asarray(starts)
         self._bias = cupy.asarray(np.zeros(shape.out_channels, np.float32) if bias is None
@@ -265,34 +268,14 @@ class TableConv2d:
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
         return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
 
-    def __call__(self, x: Any, out: Any = None, residual: Any = None) -> Any:
-        import cupy
-
-        s = self.shape
-        if not isinstance(x, cupy.ndarray) or x.dtype != np.float32 or x.ndim != 4 \
-                or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w) or not x.flags.c_contiguous:
-            raise ValueError(f"{self.name}: x must be a C-contiguous float32 CuPy array of shape "
-                             f"(N, {s.in_channels}, {s.in_h}, {s.in_w}), got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        want = self.output_shape(x.shape[0])
-        if out is None:
-            out = cupy.empty(want, np.float32)
-        for what, arr in (("out", out), ("residual", residual)):
-            if arr is not None and (not isinstance(arr, cupy.ndarray) or arr.dtype != np.float32
-                                    or tuple(arr.shape) != want or not arr.flags.c_contiguous):
-                raise ValueError(f"{self.name}: {what} must be a C-contiguous float32 CuPy array of shape {want}")
-        for what, arr in (("x", x), ("out", out), ("residual", residual)):
-            if arr is not None and arr.device.id != self.device_id:
-                raise ValueError(f"{self.name}: {what} is on GPU {arr.device.id}, the kernel was loaded on GPU "
-                                 f"{self.device_id}")
-        if self.epilogue.residual != (residual is not None):
-            raise ValueError(f"{self.name}: this kernel {'adds' if self.epilogue.residual else 'takes no'} "
-                             "residual")
+    def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
+        x, out, residual = self.contract.arrays(x, out, residual)  # the checks of every family
         if x.shape[0] == 0:
             return out
-        self._fn(table_grid(s, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
-                 (x, self._entries, self._starts, self._bias,
-                  residual if residual is not None else np.uint64(0), out))
+        with self.contract.stream(stream):
+            self._fn(table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
+                     (x, self._entries, self._starts, self._bias,
+                      residual if residual is not None else np.uint64(0), out))
         return out
 
     def __repr__(self) -> str:
