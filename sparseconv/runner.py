@@ -738,11 +738,16 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
             if table and small and table_supported(k.shape) is None else None
         notes: List[str] = []
 
-        def time_both(b: int) -> Tuple[float, float]:
+        def arrays(b: int) -> Tuple[Any, Any, Any]:
+            """Fresh random x (and residual, where the kernel adds one) of batch b, and an out."""
             s = k.shape
             x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
             out = cupy.empty(k.output_shape(b), cupy.float32)
             r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+            return x, out, r
+
+        def time_both(b: int) -> Tuple[float, float]:
+            x, out, r = arrays(b)
             t = {}
             for path, fn in ((SPARSE, k), (DENSE, cudnn)):
                 # torch's allocations inside the timing graph stay in a pool of their own
@@ -759,10 +764,7 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
         def time_table(b: int) -> Optional[float]:
             if on_table is None or b > MAX_TABLE_BATCH:
                 return None
-            s = k.shape
-            x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
-            out = cupy.empty(k.output_shape(b), cupy.float32)
-            r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+            x, out, r = arrays(b)
             return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
                              max_seconds=0.2, capture=cupy_graph).us
 

@@ -136,10 +136,15 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
         s = m.kernel.shape
 
-        def time_both(b: int) -> Tuple[float, float]:
+        def inputs(b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            """Fresh random x of batch b, and a residual where the layer adds one."""
             x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
                 else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
             r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+            return x, r
+
+        def time_both(b: int) -> Tuple[float, float]:
+            x, r = inputs(b)
             us = []
             for path in ("sparseconv", "dense"):
                 m.route = [(ANY_BATCH, path)]
@@ -150,8 +155,7 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
         def time_table(b: int) -> Optional[float]:
             if m.table is None or b > MAX_TABLE_BATCH:
                 return None
-            x = torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
-            r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+            x, r = inputs(b)
             m.route = [(ANY_BATCH, "table")]
             return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
                              capture=torch_graph).us
