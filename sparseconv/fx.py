@@ -343,9 +343,10 @@ class GemvLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        bias = self.bias if self.bias is not None else self.zero_bias
         ours = x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_GEMV_BATCH \
-            and w.dtype == torch.float32 and w.device == x.device and w.is_contiguous() \
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and w.dtype == bias.dtype == torch.float32 and w.device == bias.device == x.device \
+            and w.is_contiguous() and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         if ours:
             x = x.contiguous()
             ours = gemv_supported(x.shape[0], self.in_features, x.data_ptr(), w.data_ptr())
@@ -355,9 +356,6 @@ class GemvLinear(nn.Module):
 
         from . import runtime
 
-        bias = self.bias if self.bias is not None else self.zero_bias
-        if bias.dtype != torch.float32 or bias.device != x.device:
-            return F.linear(x, w, self.bias)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         index = x.device.index
         # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs

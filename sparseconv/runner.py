@@ -388,7 +388,8 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str], Di
         else:
             linears[name] = ConvLayer(name, weight, bias, shape)
         if name in dense and gemv_takes(weight.shape[0], weight.shape[1]):
-            gemvs[name] = GemvLayer(name, weight, bias, nd.input[1] if as_is and b.dtype == np.float32 else None)
+            # B's GPU copy is float32 whatever B's dtype (prepare_constants); _gemv checks it anyway
+            gemvs[name] = GemvLayer(name, weight, bias, nd.input[1] if as_is else None)
     return linears, dense, gemvs
 
 
