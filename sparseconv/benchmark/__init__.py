@@ -35,6 +35,6 @@ from .report import BenchResult, class_summary, format_table, geomean, geomean_s
 from .rows import BASELINES, MAX_REL_L2, PATHS, BenchError, BenchRow, Check, floor_us
 from .run import BenchConfig, BenchLayer, benchmark_layers, layer_weight, model_bench_layers, run_bench, select_layers
 
-__all__ = ["BASELINES", "MAX_REL_L2", "PATHS", "BenchConfig", "BenchError", "BenchLayer", "BenchResult", "BenchRow", "Check",
-           "benchmark_layers", "class_summary", "floor_us", "format_table", "geomean", "geomean_speedups",
+__all__ = ["BASELINES", "MAX_REL_L2", "PATHS", "BenchConfig", "BenchError", "BenchLayer", "BenchResult", "BenchRow",
+           "Check", "benchmark_layers", "class_summary", "floor_us", "format_table", "geomean", "geomean_speedups",
            "layer_class", "layer_weight", "model_bench_layers", "plot_sweep", "run_bench", "select_layers"]

@@ -155,9 +155,9 @@ def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.nd
     """Build every kernel, each batch variant of it too (shapes.batch_variants),
     in a process pool first (CPU only), so the timing loop only loads cached
     cubins."""
-    shapes = {layer.name: layer.shape for layer in layers}
-    if "code" not in config.paths:
+    if "code" not in config.paths:  # the table is compiled by NVRTC as each layer is timed
         return
+    shapes = {layer.name: layer.shape for layer in layers}
     jobs = [LayerJob(f"{name}@{sp}#{i}", w, shapes[name], t)
             for (name, sp), w in weights.items()
             for i, (_, t) in enumerate(batch_variants(shapes[name], default_tiling(shapes[name])))]
@@ -261,12 +261,13 @@ def _time_row(row: BenchRow, kernels: Dict[str, Any], layer: BenchLayer, w: np.n
     s, batch = layer.shape, row.batch
     timed = dict(repeat=config.repeat, max_seconds=config.max_seconds)
     x = rng.standard_normal((batch, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
-    outs = {}
+    outs = {}  # the outputs of the paths that ran, to check
     for path, kernel in kernels.items():
-        out = outs[path] = cupy.empty(kernel.output_shape(batch), cupy.float32)
+        out = cupy.empty(kernel.output_shape(batch), cupy.float32)
         try:
             row.record(path, time_gpu(lambda: kernel(x, out=out), capture=cupy_capture, **timed))
             kernel(x, out=out)
+            outs[path] = out
         except Exception as exc:  # recorded, and the baselines still run; the row shows no speedup
             row.fail(path, one_line(exc))
     row.take_fastest()
