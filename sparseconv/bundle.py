@@ -91,7 +91,11 @@ def check_output_dir(out_dir: Path) -> Path:
     if out == cwd or out in cwd.parents:
         raise BundleError(f"{out_dir}: is the current folder (or holds it); choose a folder of its own as -o")
     if out.is_dir():
-        if any(out.iterdir()) and _bundle_files(out) is None:
+        # Under the writers' lock (see _swap_in): a concurrent writer swapping its
+        # bundle in between iterdir and the manifest read made this refuse a bundle.
+        with _locked(out.parent):
+            foreign = out.is_dir() and any(out.iterdir()) and _bundle_files(out) is None
+        if foreign:
             raise BundleError(f"{out_dir}: exists and holds files that are not a sparseconv bundle; refusing to "
                               "write into it (choose another -o, or empty the folder)")
     # The parent, where the new bundle is made: a probe inside `out` itself
