@@ -14,7 +14,11 @@ is in git history, commit fdd0ee1.)
 
 A candidate JjxWw sets J (pixels a lane; a block covers 32*J pixels of one
 image and one output channel) and WS (warps a block); "rule" is
-table.table_tiling's choice.
+table.table_tiling's choice, as TableConv2d makes it for the layer's nonzeros.
+
+--floor also times the rule's tiling on an all-zero weight: an empty table,
+so the launch, the tap masks, the warps' sum and the store and nothing else.
+What a layer's time exceeds it by is what walking its entries costs.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv2")
     ap.add_argument("--cands", default="rule", help="comma-separated JjxWw or rule (table.table_tiling's)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--floor", action="store_true", help="also time the rule's tiling with an empty table")
     ap.add_argument("--out", default="weight_table_probe.json")
     args = ap.parse_args()
     # every argument checked before anything is built or touches a GPU
@@ -97,15 +102,19 @@ def main() -> None:
                                                      max_seconds=0.3, capture=cupy_graph).us))
         print(f"{lname:26s} sparseconv {row['sparseconv']['tiling']:60s} hot {row['sparseconv']['hot_us']:6.1f} "
               f"cold {row['sparseconv']['cold_us']:6.1f} us  rel L2 {row['sparseconv']['rel_l2']:.1e}", flush=True)
-        for label, tiling in cands:
-            tiling = tiling or table_tiling(shape, n)
-            table = TableConv2d(w, bias, shape, Epilogue("relu"), tiling, name=lname)
+        nnz = int(np.count_nonzero(w))
+        runs = [(label, tiling or table_tiling(shape, n, nnz), w, ref) for label, tiling in cands]
+        if args.floor:  # an empty table: the output is relu(bias) everywhere
+            floor_ref = np.broadcast_to(np.maximum(bias, 0)[None, :, None, None], ref.shape)
+            runs.append(("floor", table_tiling(shape, n, nnz), np.zeros_like(w), floor_ref))
+        for label, tiling, weight, want in runs:
+            table = TableConv2d(weight, bias, shape, Epilogue("relu"), tiling, name=lname)
             out2 = cupy.full(out.shape, np.nan, cupy.float32)
 
             def launch():
                 table(x, out=out2)
             launch()
-            rel = relative_l2(cupy.asnumpy(out2), ref)
+            rel = relative_l2(cupy.asnumpy(out2), want)
             r = dict(cand=label, tiling=tiling.describe(), registers=table._fn.attributes["num_regs"], rel_l2=rel,
                      hot_us=time_gpu(launch, repeat=30, max_seconds=0.3, capture=cupy_graph).us,
                      cold_us=time_cold(launch, l2_flush(flush, x), repeat=30, max_seconds=0.3,
