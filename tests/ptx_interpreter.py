@@ -70,7 +70,8 @@ instruction and its line)
                 barrier.cluster.arrive(.release|.relaxed)(.aligned) and
                 barrier.cluster.wait(.acquire)(.aligned);
                 membar/fence (no-ops: the interpreter is sequential);
-                shfl.sync.bfly.b32 over whole warps (constant lane mask);
+                shfl.sync.bfly.b32 over whole warps (constant lane mask),
+                shfl.sync.idx.b32 over whole warps (any source lane);
                 cp.async.{ca,cg}.shared.global with src-size zero fill,
                 cp.async.commit_group, wait_group N, wait_all (a copy lands
                 in shared memory only when a wait covers its group).
@@ -1101,11 +1102,15 @@ class _Decoder:
 
     def op_shfl(self, ins, parts, ops):
         """shfl.sync.bfly.b32 d[|p], a, lane_mask, 0x1f, 0xffffffff: lane l gets
-        a from lane l ^ lane_mask of its warp (p: true, the source lane is in
-        range). Only the full-warp butterfly is supported: the lane mask the
-        same for every lane, every lane of each warp taking part."""
-        if parts[1:] != ["sync", "bfly", "b32"]:
-            raise PtxInterpreterError(f"only shfl.sync.bfly.b32 is supported, not {'.'.join(parts)}")
+        a from lane l ^ lane_mask of its warp, the lane mask the same for every
+        lane; shfl.sync.idx.b32 d[|p], a, b, 0x1f, 0xffffffff: lane l gets a
+        from lane b & 31 of its warp (b may differ between lanes). p: true (the
+        source lane is in range, as it always is with clamp 0x1f). Whole warps
+        only: every lane of each warp taking part."""
+        if parts[1:] not in (["sync", "bfly", "b32"], ["sync", "idx", "b32"]):
+            raise PtxInterpreterError(f"only shfl.sync.bfly.b32 and shfl.sync.idx.b32 are supported, "
+                                      f"not {'.'.join(parts)}")
+        mode = parts[2]
         self._need(ops, 5, parts)
         dst, _, pred = ops[0].partition("|")
         d, _ = self.dst(dst, "b32")
@@ -1122,17 +1127,25 @@ class _Decoder:
         def run(fr, m):
             T = fr.ctx.T
             lanes = fr.M if m is None else m
-            bfly = uniform(lane_mask, fr, m, lanes, "lane mask")
-            if bfly >= 32 or uniform(clamp, fr, m, lanes, "clamp") != 0x1F \
+            if uniform(clamp, fr, m, lanes, "clamp") != 0x1F \
                     or uniform(members, fr, m, lanes, "member mask") != 0xFFFFFFFF:
-                raise PtxInterpreterError("shfl.sync.bfly: only a lane mask < 32 within a full warp "
-                                          "(clamp 0x1f, member mask 0xffffffff) is supported")
+                raise PtxInterpreterError(f"shfl.sync.{mode}: only a full warp (clamp 0x1f, member mask "
+                                          "0xffffffff) is supported")
             full = T - T % 32  # the threads of whole warps
             for w in np.unique(np.arange(T)[lanes] // 32):
                 if w * 32 + 32 > full or not lanes[w * 32:w * 32 + 32].all():
                     raise PtxInterpreterError("shfl.sync with only part of a warp taking part")
+            tid = np.arange(T)
+            if mode == "bfly":
+                bfly = uniform(lane_mask, fr, m, lanes, "lane mask")
+                if bfly >= 32:
+                    raise PtxInterpreterError("shfl.sync.bfly: the lane mask must be < 32")
+                src = tid ^ bfly
+            else:  # idx: each lane names its source lane
+                b = np.broadcast_to(np.asarray(lane_mask(fr, m)), (T,)).astype(np.int64)
+                src = np.where(lanes, tid - tid % 32 + (b & 31), tid)
             v = a(fr, m)
-            _write(fr, d, v if np.ndim(v) == 0 else v[np.arange(T) ^ bfly], m)
+            _write(fr, d, v if np.ndim(v) == 0 else v[src], m)
             if p is not None:
                 _write(fr, p, np.ones(T, bool), m)
         return run

@@ -784,6 +784,39 @@ def test_shared_memory_and_barriers_across_threads():
     assert sums.tolist() == [sum(t * (b + 1) for t in range(threads)) for b in range(blocks)]
 
 
+SHUFFLE = kernel("shuffle", """
+.visible .entry shuffle(.param .u64 p_idx, .param .u64 p_bfly)
+{
+	.reg .pred %p<3>;
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<7>;
+	ld.param.u64 %rd1, [p_idx];
+	ld.param.u64 %rd2, [p_bfly];
+	mov.u32 %r1, %tid.x;
+	mul.lo.s32 %r2, %r1, 10;
+	mul.lo.s32 %r3, %r1, 7;
+	and.b32 %r4, %r3, 63;
+	shfl.sync.idx.b32 %r5|%p1, %r2, %r4, 31, -1;
+	shfl.sync.bfly.b32 %r6|%p2, %r2, 5, 31, -1;
+	mul.wide.u32 %rd3, %r1, 4;
+	add.s64 %rd4, %rd1, %rd3;
+	st.global.u32 [%rd4], %r5;
+	add.s64 %rd5, %rd2, %rd3;
+	st.global.u32 [%rd5], %r6;
+	ret;
+}
+""")
+
+
+def test_shuffles_read_other_lanes_of_the_same_warp():
+    idx, bfly = np.zeros(64, np.uint32), np.zeros(64, np.uint32)
+    launch(SHUFFLE, "shuffle", (1, 1, 1), (64, 1, 1), [idx, bfly])
+    t = np.arange(64)
+    # idx: lane l reads lane (7 l & 63) & 31 of its own warp (the bits above 4 are ignored)
+    assert idx.tolist() == ((t - t % 32 + ((7 * t) & 63 & 31)) * 10).tolist()
+    assert bfly.tolist() == ((t ^ 5) * 10).tolist()
+
+
 def test_uninitialised_shared_memory_reads_as_nan():
     ptx = kernel("uninit_shared", """
 .extern .shared .align 16 .b8 buf[];
