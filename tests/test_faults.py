@@ -715,9 +715,23 @@ def test_bench_network_option_refuses_bad_input_with_usage_errors():
                           (["--network", "resnet50", "--sparsity", "1.5"], "one sparsity in [0, 1)"),
                           (["--network", "resnet50", "--sparsity", "abc"], "one sparsity in [0, 1)"),
                           (["--network", "resnet50", "--model", "m.npz"], "leave out --model"),
-                          (["--network", "resnet50", "--variants", "eager fp16"], "unknown eager fp16")):
+                          (["--network", "resnet50", "--variants", "eager fp16"], "unknown eager fp16"),
+                          (["--network", "resnet50", "--paths", "code"], "leave out --paths")):
         r = runner.invoke(main, ["bench", *args])
         assert r.exit_code == 2 and message in r.output, (args, r.output)
+
+
+def test_bench_paths_refuses_bad_input():
+    """`sparseconv bench --paths`: a name it does not know is a usage error;
+    BenchConfig refuses an empty or unknown selection in one line."""
+    from sparseconv.benchmark import BenchConfig
+
+    r = CliRunner().invoke(main, ["bench", "--paths", "cudnn"])
+    assert r.exit_code == 2 and "'cudnn' is not one of 'both', 'code', 'table'" in r.output, r.output
+    for paths in ((), ("code", "gemm")):
+        with pytest.raises(ValueError, match="paths must be a non-empty selection of code, table") as err:
+            BenchConfig(paths=paths)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("level", [0, 4, 1.0, True, "1"])
