@@ -4,6 +4,8 @@ Everything here needs CuPy and a CUDA device (imported lazily, so importing
 this module does not); the build side (sparseconv.build) never imports it.
 
     load_kernel(artifact, suffix, entry)   cubin or PTX -> cupy.RawModule + function
+    CallContract(name, shape, residual, device_id)
+                                           the checks of a conv kernel's call, shared by every family
     Conv2dKernel(layer, bias)              the callable: kernel(x, out=None, stream=None) -> y
     LinearKernel(conv)                     a fully connected layer through a Conv2dKernel: (N, in) -> (N, out)
     DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
