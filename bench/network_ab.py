@@ -36,6 +36,9 @@ Rules (each was measured this way before it landed):
   table             convs at batch <= 8 timed through the weight-table family
                     too (sparseconv.table, routed by measurement), not only
                     the code and cuDNN
+  overlap-launches  our kernels launched to overlap the kernel before them
+                    (sparseconv.launch, programmatic dependent launch), not
+                    one after another
 """
 from __future__ import annotations
 
@@ -89,10 +92,16 @@ def without_table() -> None:
     sc_torch.MAX_TABLE_BATCH = 0  # looked up at call time by route_by_batch: no batch is timed on the table
 
 
+def without_overlap_launches() -> None:
+    import sparseconv.launch as launch
+
+    launch.OVERLAP_LAUNCHES = False  # read at each launch
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
-         "gemv": without_gemv, "table": without_table}
+         "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches}
 
 
 def main() -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
+from .launch import GRID_DEPENDENCY_CUDA, launch
+
 # Images a launch serves: each keeps one partial sum a lane and reads x once
 # per weight load; beyond a few images a GEMM reuses the weights better.
 MAX_GEMV_BATCH = 8
@@ -58,6 +60,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_gemv(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
     float* __restrict__ y, int in_features, int out_features)
 {
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int part = warp % SPLIT;
@@ -136,7 +140,7 @@ def gemv_source(batch: int, variant: GemvVariant = GemvVariant()) -> str:
     if variant.split not in (1, 2, 4, 8) or variant.unroll < 1:
         raise ValueError(f"gemv: split must be 1, 2, 4 or 8 warps a feature and unroll >= 1, got {variant}")
     return (f"#define BATCH {batch}\n#define UNROLL {variant.unroll}\n#define WARPS {WARPS_PER_BLOCK}\n"
-            f"#define SPLIT {variant.split}\n" + _GEMV_SOURCE)
+            f"#define SPLIT {variant.split}\n" + GRID_DEPENDENCY_CUDA + _GEMV_SOURCE)
 
 
 _kernels: Dict[Tuple[int, int, GemvVariant], Any] = {}  # (device, batch, variant) -> kernel
@@ -180,4 +184,5 @@ def linear_gemv(device_id: int, x: Any, w: Any, bias: Any, y: Any, variant: Gemv
     if y.size == 0:
         return
     blocks = -(-out_features // (WARPS_PER_BLOCK // variant.split))
-    _kernels[key]((blocks,), (WARPS_PER_BLOCK * 32,), (x, w, bias, y, np.int32(in_features), np.int32(out_features)))
+    launch(_kernels[key], (blocks,), (WARPS_PER_BLOCK * 32,),
+           (x, w, bias, y, np.int32(in_features), np.int32(out_features)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Tuple
 
+from .launch import GRID_DEPENDENCY_CUDA, launch
 from .shapes import pair
 
 IntPair = Tuple[int, int]
@@ -29,6 +30,8 @@ extern "C" __global__ void sc_max_pool2d(const float* __restrict__ x, float* __r
         long long planes, int in_h, int in_w, int out_h, int out_w,
         int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w)
 {
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
     const float neg_inf = -__int_as_float(0x7f800000);
     const int out_hw = out_h * out_w;
     for (long long plane = blockIdx.y; plane < planes; plane += gridDim.y) {
@@ -60,7 +63,7 @@ extern "C" __global__ void sc_max_pool2d(const float* __restrict__ x, float* __r
 
 def pool_source(kernel: IntPair) -> str:
     """The max-pool kernel's CUDA source for one window size."""
-    return f"#define KERNEL_H {kernel[0]}\n#define KERNEL_W {kernel[1]}\n" + _MAX_POOL_SOURCE
+    return f"#define KERNEL_H {kernel[0]}\n#define KERNEL_W {kernel[1]}\n" + GRID_DEPENDENCY_CUDA + _MAX_POOL_SOURCE
 
 
 _kernels: Dict[Tuple[int, IntPair], Any] = {}  # (device, window) -> kernel
@@ -134,7 +137,7 @@ def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: Int
     # Up to 256 threads per plane, fewer for small planes (VGG-16's pool5 has
     # 49 outputs: 256 threads left 80% idle and ran slower than torch's pool).
     threads = min(256, 32 * -(-(out_h * out_w) // 32))
-    _kernels[key]((min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,), (
+    launch(_kernels[key], (min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,), (
         x, y, np.int64(n * c), np.int32(in_h), np.int32(in_w), np.int32(out_h), np.int32(out_w),
         np.int32(stride[0]), np.int32(stride[1]),
         np.int32(pad_top_left[0]), np.int32(pad_top_left[1]), np.int32(dilation[0]), np.int32(dilation[1])))

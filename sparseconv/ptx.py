@@ -19,7 +19,7 @@ F32_IMM_RE = re.compile(r"^0[fF]([0-9A-Fa-f]{8})$")
 # Opcodes (before the first '.') whose operands are all sources.
 NO_DEST_OPCODES = frozenset({
     "st", "bar", "barrier", "bra", "brx", "ret", "exit", "call", "red", "prefetch",
-    "prefetchu", "membar", "fence", "trap", "pmevent", "stmatrix", "cp", "discard",
+    "prefetchu", "membar", "fence", "trap", "pmevent", "stmatrix", "cp", "discard", "griddepcontrol",
 })
 
 

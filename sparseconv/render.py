@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 
 import jinja2
 
+from .launch import GRID_DEPENDENCY_CUDA
 from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, n_chunks, n_kblocks, padded_channels, patch_size,
                      stage_steps)
 
@@ -124,7 +125,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
         family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
                            R=shape.kernel_h, S=shape.kernel_w)
     source = env.get_template(name).render(
-        template_name=name, entry_name=ENTRY_NAME,
+        template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),
         epilogue_comment=epilogue.describe(), epilogue_code=epilogue_code(epilogue),
         HAS_RESIDUAL=int(epilogue.residual), SLICES=tiling.slices,

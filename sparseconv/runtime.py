@@ -10,6 +10,9 @@ this module does not); the build side (sparseconv.build) never imports it.
     LinearKernel(conv)                     a fully connected layer through a Conv2dKernel: (N, in) -> (N, out)
     DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
 
+Every kernel goes out through sparseconv.launch.launch, which on sm_90 lets
+it start while the kernel before it finishes (programmatic dependent launch).
+
 A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is
 JIT-compiled by the driver only if its .version is one the driver knows; the
 build prefers ptxas, and a PTX artifact is checked against the driver here
@@ -26,6 +29,7 @@ import numpy as np
 
 from .build import CompiledLayer
 from .dense import dense_conv2d
+from .launch import GRID_DEPENDENCY_CUDA, launch
 from .ptx import ptx_version
 from .shapes import ANY_BATCH, ConvShape, Target
 
@@ -115,11 +119,13 @@ def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
 # compiled once per process by NVRTC (no weights in it). Compiling the slice
 # count in (every slice's load before the first add) was measured no faster:
 # the kernel is ~1.4 us of fixed cost (docs/PERFORMANCE.md, session 11).
-_REDUCE_SOURCE = r"""
+_REDUCE_SOURCE = GRID_DEPENDENCY_CUDA + r"""
 extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float* __restrict__ y,
         const float* __restrict__ residual, long long total, int slices, int has_residual,
         int has_lo, float lo, int has_hi, float hi)
 {
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         float v = ws[i];
@@ -144,11 +150,10 @@ def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
         _reduce_kernels[device_id] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices")
     lo, hi = bounds
     total = y.size
-    _reduce_kernels[device_id](
-        (min(-(-total // 256), 4096),), (256,),
-        (ws, y, residual if residual is not None else np.uint64(0), np.int64(total), np.int32(ws.shape[0]),
-         np.int32(residual is not None), np.int32(lo is not None), np.float32(lo or 0.0),
-         np.int32(hi is not None), np.float32(hi or 0.0)))
+    launch(_reduce_kernels[device_id], (min(-(-total // 256), 4096),), (256,),
+           (ws, y, residual if residual is not None else np.uint64(0), np.int64(total), np.int32(ws.shape[0]),
+            np.int32(residual is not None), np.int32(lo is not None), np.float32(lo or 0.0),
+            np.int32(hi is not None), np.float32(hi or 0.0)))
 
 
 @dataclass(frozen=True)
@@ -356,10 +361,10 @@ class Conv2dKernel:
                 target = ws
             else:
                 target = y
-            fn(layer.grid(count), (layer.tiling.threads, 1, 1),
-               (x[first:first + count], target, self._bias, res if res is not None else np.uint64(0),
-                np.int32(count), np.int32(layer.chunks)),
-               shared_mem=layer.shared_bytes)
+            launch(fn, layer.grid(count), (layer.tiling.threads, 1, 1),
+                   (x[first:first + count], target, self._bias, res if res is not None else np.uint64(0),
+                    np.int32(count), np.int32(layer.chunks)),
+                   shared_mem=layer.shared_bytes)
             if workspace:
                 reduce_slices(self.device_id, target, y, res, self.epilogue.bounds)
 

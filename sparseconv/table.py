@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from .launch import GRID_DEPENDENCY_CUDA, launch
 from .runtime import CallContract
 from .shapes import ConvShape, Epilogue
 
@@ -154,6 +155,9 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     // entry loads do not wait on the taps before them.
     const int b = starts[k], len = starts[k + 1] - b;
     const int lo = b + (len * w) / WS, hi = b + (len * (w + 1)) / WS;
+    // Only the table and the masks above; the input is the kernel before's output (sparseconv/launch.py).
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
 #pragma unroll 4
     for (int i = lo; i < hi; ++i) {
         const int2 e = __ldg(entries + i);  // one address for the whole warp
@@ -217,7 +221,7 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
         consts["LO"] = _float_literal(lo)
     if hi is not None:
         consts["HI"] = _float_literal(hi)
-    return "".join(f"#define {k} {v}\n" for k, v in consts.items()) + _SOURCE
+    return "".join(f"#define {k} {v}\n" for k, v in consts.items()) + GRID_DEPENDENCY_CUDA + _SOURCE
 
 
 def table_grid(shape: ConvShape, tiling: TableTiling, batch: int) -> Tuple[int, int, int]:
@@ -273,9 +277,9 @@ class TableConv2d:
         if x.shape[0] == 0:
             return out
         with self.contract.stream(stream):
-            self._fn(table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
-                     (x, self._entries, self._starts, self._bias,
-                      residual if residual is not None else np.uint64(0), out))
+            launch(self._fn, table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
+                   (x, self._entries, self._starts, self._bias,
+                    residual if residual is not None else np.uint64(0), out))
         return out
 
     def __repr__(self) -> str:

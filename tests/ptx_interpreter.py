@@ -70,6 +70,8 @@ instruction and its line)
                 barrier.cluster.arrive(.release|.relaxed)(.aligned) and
                 barrier.cluster.wait(.acquire)(.aligned);
                 membar/fence (no-ops: the interpreter is sequential);
+                griddepcontrol.wait / .launch_dependents (no-ops: one
+                kernel at a time, so the one before has always finished);
                 shfl.sync.bfly.b32 over whole warps (constant lane mask),
                 shfl.sync.idx.b32 over whole warps (any source lane);
                 cp.async.{ca,cg}.shared.global with src-size zero fill,
@@ -1443,6 +1445,7 @@ class _Decoder:
         return lambda fr, m: None  # one thread at a time: memory is always coherent
 
     op_fence = op_membar
+    op_griddepcontrol = op_membar
 
 
 def _addr(fr, m, base, off):

@@ -96,3 +96,9 @@ def test_network_profile_attributes_kernels_and_sums_routes_with_the_table():
             "batch 64: sparseconv 170.0 us, cuDNN fp32 660.0 us",
             "conv2: sparseconv relu batch 1: sparseconv 5.0 us, cuDNN fp32 9.0 us"]
     assert prof.routed_sum_us(plan, 1) == 20.0 and prof.routed_sum_us(plan, 64) == 170.0
+
+
+def test_the_overlap_switch_turns_overlapped_launches_off():
+    code = "import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES, launch._overlaps(0))"
+    assert printed(code, "overlap-launches") == "False False"  # off before any device is asked
+    assert printed("import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES)") == "True"

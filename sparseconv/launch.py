@@ -1,0 +1,163 @@
+"""Kernel launches that overlap the kernel before them (programmatic
+dependent launch, sm_90 and later).
+
+A kernel boundary inside a CUDA graph costs ~0.9 us on the H100, and a
+batch-1 forward has ~60 of them (docs/PERFORMANCE.md, sessions 12, 17, 23).
+Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a kernel
+may be scheduled while the kernel before it on the stream still runs, as soon
+as that one's blocks have all run `griddepcontrol.launch_dependents`. So
+every kernel launched here must begin its dependent work with
+`griddepcontrol.wait`, which returns once the kernel before it has finished
+and its writes are visible. Each of our kernel sources does, through
+GRID_DEPENDENCY_CUDA's two macros:
+
+    SC_WAIT_FOR_PREVIOUS_KERNEL()   before the first read of an activation and the first write
+    SC_LET_NEXT_KERNEL_START()      right after it: the next kernel may be scheduled now
+
+Before the wait a kernel may read only what no kernel writes: its weights,
+its table, its bias. Where the attribute is not set (the switch off, a GPU
+older than sm_90, a driver without cuLaunchKernelEx), both are no-ops and
+launches are CuPy's.
+
+    launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
+
+The switch: OVERLAP_LAUNCHES (environment SPARSECONV_OVERLAP_LAUNCHES=0 turns
+it off), read at each launch.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Pasted at the top of every kernel source launched through launch(). The
+# templates get it as a variable (render.py), the NVRTC sources by
+# concatenation: one text for every family.
+GRID_DEPENDENCY_CUDA = r"""
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// programmatic dependent launch (sparseconv/launch.py): no-ops unless launched with it
+#define SC_WAIT_FOR_PREVIOUS_KERNEL() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define SC_LET_NEXT_KERNEL_START() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define SC_WAIT_FOR_PREVIOUS_KERNEL() do {} while (0)
+#define SC_LET_NEXT_KERNEL_START() do {} while (0)
+#endif
+"""
+
+OVERLAP_LAUNCHES: bool = os.environ.get("SPARSECONV_OVERLAP_LAUNCHES", "1") != "0"
+
+# cuda.h (CUDA 12.0 and later, unchanged in 13.0): CUlaunchAttribute is
+# {id; 4 bytes of padding; a 64-byte value union}, CUlaunchConfig
+# {grid x/y/z, block x/y/z, sharedMemBytes, hStream, attrs, numAttrs}.
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint32), ("gridDimY", ctypes.c_uint32), ("gridDimZ", ctypes.c_uint32),
+                ("blockDimX", ctypes.c_uint32), ("blockDimY", ctypes.c_uint32), ("blockDimZ", ctypes.c_uint32),
+                ("sharedMemBytes", ctypes.c_uint32), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint32)]
+
+
+def programmatic_attribute() -> LaunchAttribute:
+    """The attribute that lets a kernel start before the one before it ends."""
+    a = LaunchAttribute()
+    a.id = PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(ctypes.addressof(a) + LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    return a
+
+
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+            np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
+
+
+def c_args(args: Sequence[Any]) -> List[Any]:
+    """ctypes values for kernel arguments, as CuPy passes them: a CUDA array
+    as its device pointer, a NumPy scalar as its own type."""
+    out: List[Any] = []
+    for a in args:
+        ptr = getattr(getattr(a, "data", None), "ptr", None)
+        if isinstance(ptr, int):
+            out.append(ctypes.c_void_p(ptr))
+        elif isinstance(a, np.generic) and a.dtype in _SCALARS:
+            out.append(_SCALARS[a.dtype](a.item()))
+        else:
+            raise TypeError(f"launch: a kernel argument must be a CuPy array or a NumPy int32, int64, uint64 "
+                            f"or float32 scalar, got {type(a).__name__}")
+    return out
+
+
+def launch_config(grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int, stream_ptr: int,
+                  attribute: LaunchAttribute) -> LaunchConfig:
+    """cuLaunchKernelEx's config; grid and block as CuPy takes them (1 to 3 numbers)."""
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    b = tuple(block) + (1,) * (3 - len(block))
+    return LaunchConfig(*g, *b, shared_mem, ctypes.c_void_p(stream_ptr), ctypes.pointer(attribute), 1)
+
+
+class _Driver:
+    """libcuda's cuLaunchKernelEx, or why it cannot be had."""
+
+    def __init__(self) -> None:
+        self.launch_ex: Any = None
+        self.why_not: Optional[str] = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernelEx
+        except (OSError, AttributeError) as e:
+            self.why_not = f"no cuLaunchKernelEx in libcuda.so.1 ({e})"
+            return
+        fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self.launch_ex = fn
+        self.error_string = lib.cuGetErrorString
+        self.attribute = programmatic_attribute()
+
+
+_driver: Optional[_Driver] = None
+_overlap_on_device: Dict[int, bool] = {}  # device id -> sm_90 or later
+
+
+def _overlaps(device_id: int) -> bool:
+    global _driver
+    if not OVERLAP_LAUNCHES:
+        return False
+    if device_id not in _overlap_on_device:
+        import cupy
+
+        major = cupy.cuda.Device(device_id).compute_capability[:-1] or "0"
+        if _driver is None:
+            _driver = _Driver()
+        _overlap_on_device[device_id] = int(major) >= 9 and _driver.launch_ex is not None
+    return _overlap_on_device[device_id]
+
+
+def launch(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], args: Sequence[Any],
+           shared_mem: int = 0) -> None:
+    """Launch a CuPy RawKernel or module Function on CuPy's current stream,
+    overlapping the kernel before it where the GPU can (see the module doc).
+    Its source must use GRID_DEPENDENCY_CUDA's macros."""
+    import cupy
+
+    if not _overlaps(cupy.cuda.Device().id):
+        function(grid, block, tuple(args), shared_mem=shared_mem)
+        return
+    fn = getattr(function, "kernel", function)  # a RawKernel's compiled Function
+    values = c_args(args)
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    assert _driver is not None
+    config = launch_config(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr, _driver.attribute)
+    err = _driver.launch_ex(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
+    if err != 0:
+        msg = ctypes.c_char_p()
+        _driver.error_string(err, ctypes.byref(msg))
+        text = msg.value.decode() if msg.value else "unknown error"
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}); "
+                           f"set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap")

@@ -1,0 +1,82 @@
+"""GPU: kernels launched to overlap the kernel before them (sparseconv.launch)
+compute what they compute launched one after another: a chain of code, table
+and pool kernels, each reading the one before's output (and one a residual
+from two kernels back), eager and replayed as a CUDA graph, against float64
+and bit for bit against the chain with the switch off."""
+import numpy as np
+import pytest
+
+import sparseconv
+import sparseconv.launch as launch_mod
+from sparseconv.pool import MaxPoolShape, max_pool2d
+from sparseconv.shapes import ConvShape, Epilogue
+from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
+
+pytestmark = pytest.mark.gpu
+
+
+def _chain(tmp_path):
+    from sparseconv.table import TableConv2d
+
+    rng = np.random.default_rng()
+    c = 32
+    s3 = ConvShape(c, c, 14, 14, 3, 3, padding=(1, 1))
+    w_a, w_b = (pruned_weight(rng, s3.weight_shape, 0.9) for _ in range(2))
+    w_c = pruned_weight(rng, (c, c, 1, 1), 0.9)
+    a = sparseconv.compile_conv2d(w_a, input_size=(14, 14), padding=1, activation="relu", cache_dir=str(tmp_path))
+    b = TableConv2d(w_b, None, s3, Epilogue("relu"), name="b")
+    cc = sparseconv.compile_conv2d(w_c, input_size=(14, 14), activation="relu", residual=True,
+                                   cache_dir=str(tmp_path))
+    pool = MaxPoolShape.of(3, 1, 1)
+    x = rng.standard_normal((1, c, 14, 14)).astype(np.float32)
+
+    def reference():
+        ya = np.maximum(conv2d_reference(x, w_a, None, (1, 1), (1, 1)), 0)
+        yb = np.maximum(conv2d_reference(ya, w_b, None, (1, 1), (1, 1)), 0)
+        yc = np.maximum(conv2d_reference(yb, w_c) + ya, 0)
+        padded = np.pad(yc, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+        return np.max([padded[:, :, i:i + 14, j:j + 14] for i in range(3) for j in range(3)], axis=0)
+
+    return a, b, cc, pool, x, reference()
+
+
+def _run(a, b, cc, pool, x_dev, bufs):
+    import cupy as cp
+
+    ya, yb, yc, yp = bufs
+    a(x_dev, out=ya)
+    b(ya, out=yb)
+    cc(yb, out=yc, residual=ya)  # the residual from two kernels back
+    max_pool2d(cp.cuda.Device().id, yc, yp, pool)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_overlapped_launches_give_the_same_outputs(tmp_path, graph, monkeypatch):
+    import cupy as cp
+
+    a, b, cc, pool, x, ref = _chain(tmp_path)
+    outputs = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(launch_mod, "OVERLAP_LAUNCHES", overlap)
+        assert launch_mod._overlaps(cp.cuda.Device().id) == overlap  # an H100: sm_90 and cuLaunchKernelEx
+        x_dev = cp.asarray(x)
+        bufs = [cp.full((1, 32, 14, 14), np.nan, cp.float32) for _ in range(4)]
+        if graph:
+            stream = cp.cuda.Stream(non_blocking=True)
+            cp.cuda.get_current_stream().synchronize()
+            with stream:
+                stream.begin_capture()
+                for _ in range(8):  # each replay runs the chain 8 times over, each reading the last's buffers
+                    _run(a, b, cc, pool, x_dev, bufs)
+                g = stream.end_capture()
+            for _ in range(5):
+                g.launch(stream=stream)
+            stream.synchronize()
+        else:
+            for _ in range(8):
+                _run(a, b, cc, pool, x_dev, bufs)
+        y = bufs[3].get()
+        assert not np.isnan(y).any()
+        assert relative_l2(y, ref) <= 1e-5
+        outputs[overlap] = y
+    assert np.array_equal(outputs[False], outputs[True])
