@@ -51,7 +51,11 @@ MAX_TABLE_BATCH = 8
 # (VGG-16 conv5_2, 461 a channel: 29 us against 35 with 4 warps) or the grid
 # has at most FEW_BLOCKS blocks (ResNet-50 layer3.1.conv1: 6.0 against 7.6);
 # else 4 (layer4.0.downsample, 2,048 blocks of 102 entries: 12.4 against 14.2).
+# 16 warps where the grid has at most VERY_FEW_BLOCKS (session 23, run i:
+# ResNet-50 layer4.1.conv2, 512 blocks, 8.8 against 10.5 us cold, and
+# layer4.1.conv1 4.9 against 6.2; 8 warps filled 45% of the SMs' warp slots).
 FEW_BLOCKS = 1024
+VERY_FEW_BLOCKS = 512
 LONG_SHARE = 64
 
 
@@ -86,13 +90,16 @@ def table_supported(shape: ConvShape) -> Optional[str]:
 
 
 def table_tiling(shape: ConvShape, batch: int = 1, nonzeros: Optional[int] = None) -> TableTiling:
-    """The rule (see LONG_SHARE): 2 pixels a lane; 8 warps a block where 4
-    would each walk more than LONG_SHARE of a channel's entries or the grid
-    is small, else 4. nonzeros: the layer's nonzero weights (None: 10%)."""
+    """The rule (see LONG_SHARE): 2 pixels a lane; 16 warps a block where the
+    grid is very small; 8 where 4 would each walk more than LONG_SHARE of a
+    channel's entries or the grid is small; else 4. nonzeros: the layer's
+    nonzero weights (None: 10%)."""
     if nonzeros is None:
         nonzeros = shape.out_channels * shape.in_channels * shape.kernel_h * shape.kernel_w // 10
     blocks = -(-shape.out_h * shape.out_w // 64) * shape.out_channels * batch
     long_share = nonzeros / shape.out_channels / 4 > LONG_SHARE
+    if blocks <= VERY_FEW_BLOCKS:
+        return TableTiling(2, 16)
     return TableTiling(2, 8 if long_share or blocks <= FEW_BLOCKS else 4)
 
 

@@ -10,14 +10,15 @@ import pytest
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
-from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TAPS, TAP_BITS, TableTiling, table_grid, table_source,
-                              table_supported, table_tiling, weight_table)
+from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS, TableTiling, table_grid,
+                              table_source, table_supported, table_tiling, weight_table)
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 from ptx_interpreter import run_kernel
 
 SHAPES = {
     "3x3-pad1": ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)),
+    "3x3-pad1-16-warps": ConvShape(24, 3, 7, 7, 3, 3, padding=(1, 1)),  # ~4 entries a warp
     "1x1-stride2": ConvShape(8, 3, 9, 9, 1, 1, stride=(2, 2)),
     "3x3-dilated-nonsquare": ConvShape(4, 3, 9, 6, 3, 3, padding=(2, 2), dilation=(2, 2)),
     "5x3-stride2-pad": ConvShape(3, 2, 11, 8, 5, 3, stride=(2, 2), padding=(2, 1)),
@@ -77,6 +78,7 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
 @pytest.mark.nvcc
 @pytest.mark.parametrize("name,tiling,batch", [
     ("3x3-pad1", TableTiling(2, 4), 1),
+    ("3x3-pad1-16-warps", TableTiling(2, 16), 1),  # table_tiling's choice on very few blocks
     ("1x1-stride2", TableTiling(1, 2), 2),
     ("3x3-dilated-nonsquare", TableTiling(1, 4), 1),
     ("5x3-stride2-pad", TableTiling(2, 8), 2),
@@ -145,12 +147,13 @@ def test_the_tiling_rule_gives_long_channels_and_small_grids_more_warps():
     downsample = ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2))  # 2,048 blocks, 102 entries a channel
     vgg_conv5 = ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1))    # 2,048 blocks, 461 entries a channel
     assert table_grid(layer4_conv1, TableTiling(2, 8), 1) == (1, 512, 1)
-    assert table_tiling(layer4_conv1) == TableTiling(2, 8)
+    assert table_tiling(layer4_conv1) == TableTiling(2, 16)  # <= VERY_FEW_BLOCKS
+    assert table_tiling(layer4_conv1, batch=2) == TableTiling(2, 8)  # 1,024 blocks
     assert table_tiling(downsample) == TableTiling(2, 4)
     assert table_tiling(vgg_conv5) == TableTiling(2, 8)
     assert table_tiling(vgg_conv5, nonzeros=512 * 4 * LONG_SHARE) == TableTiling(2, 4)  # sparser: short shares
     assert table_tiling(layer4_conv1, batch=4) == TableTiling(2, 4)  # 2,048 blocks of 51-entry shares
-    assert FEW_BLOCKS < 2048
+    assert VERY_FEW_BLOCKS < FEW_BLOCKS < 2048
 
 
 def test_routing_takes_the_table_where_it_is_fastest():
