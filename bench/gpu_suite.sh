@@ -40,7 +40,7 @@ if [ "$PART" != 1 ]; then
         tests/test_ptx_interpreter.py &
     run onnx tests/test_gpu_onnx.py tests/test_gpu_onnx_fuse.py tests/test_gpu_onnx_graph.py &
     run linear tests/test_gpu_linear.py tests/test_gemv.py &
-    run table tests/test_gpu_table.py &
+    run table tests/test_gpu_table.py tests/test_gpu_launch.py &
     wait
 fi
 grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_*.log | head -40
