@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 from sparseconv.benchmark.network import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
                                       format_table, network_command, parse_batches, plan_layers, plot_report,
-                                      run_network_bench)
+                                      report_figure, run_network_bench)
 from sparseconv.zoo_torch import ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
 
 
@@ -131,6 +131,23 @@ def test_plot_writes_one_panel_per_batch(tmp_path):
     with Image.open(path) as im:
         w, h = im.size
     assert w > 1.5 * h  # two panels side by side
+
+
+@pytest.mark.parametrize("batches", [(1,), (1, 64)], ids=["one-panel", "two-panels"])
+def test_the_plot_title_fits_in_the_figure(batches):
+    """Session 23's one-panel chart (a single --batch) cut its title at both ends."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    r = _report()
+    r.timings = [t for t in r.timings if t.batch in batches]
+    r.device = "NVIDIA H100 80GB HBM3"
+    fig = report_figure(r)
+    fig.canvas.draw()
+    title = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    plt.close(fig)
+    assert fig.bbox.x0 <= title.x0 and title.x1 <= fig.bbox.x1
+    assert title.y1 <= fig.bbox.y1
 
 
 def test_parse_batches():

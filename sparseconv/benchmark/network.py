@@ -288,6 +288,17 @@ def format_table(reports: Sequence[NetworkReport]) -> str:
 def plot_report(report: NetworkReport, path: Union[str, Path]) -> Path:
     """A PNG bar chart, one panel per batch size: µs per forward of each
     variant (linear axis), each fp32 bar with its TF32 twin beside it."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(report)
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report_figure(report: NetworkReport) -> Any:
+    """plot_report's matplotlib figure (Agg backend)."""
     try:
         import matplotlib
     except ImportError:
@@ -317,11 +328,9 @@ def plot_report(report: NetworkReport, path: Union[str, Path]) -> Path:
         ax.set_ylabel("µs per forward (lower is better)")
         ax.set_ylim(0, max(heights + [1.0]) * 1.15)
     sparsity = "" if report.sparsity is None else f", {report.sparsity:.0%} unstructured sparsity"
-    fig.suptitle(f"{report.network}{sparsity}: {report.device}, {report.date}", fontsize=10)
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    # two lines: one panel (a single batch size) is too narrow for the device name on the same line
+    fig.suptitle(f"{report.network}{sparsity}\n{report.device}, {report.date}", fontsize=10)
+    return fig
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------------
