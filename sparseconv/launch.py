@@ -15,9 +15,12 @@ GRID_DEPENDENCY_CUDA's two macros:
     SC_LET_NEXT_KERNEL_START()      right after it: the next kernel may be scheduled now
 
 Before the wait a kernel may read only what no kernel writes: its weights,
-its table, its bias. Where the attribute is not set (the switch off, a GPU
-older than sm_90, a driver without cuLaunchKernelEx), both are no-ops and
-launches are CuPy's.
+its table, its bias. Where the attribute is not set, both are no-ops and
+launches are CuPy's: the switch off, a GPU older than sm_90, a driver
+without cuLaunchKernelEx, or a stream that is not capturing a CUDA graph.
+Only a graph runs kernels back to back without the host in between, and
+there the ctypes marshalling (~5 us of Python a launch) is paid once, at
+capture; an eager call keeps CuPy's launch and its host cost.
 
     launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
 
@@ -102,23 +105,31 @@ def launch_config(grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int
 
 
 class _Driver:
-    """libcuda's cuLaunchKernelEx, or why it cannot be had."""
+    """libcuda's cuLaunchKernelEx and cuStreamIsCapturing, or why they cannot be had."""
 
     def __init__(self) -> None:
         self.launch_ex: Any = None
         self.why_not: Optional[str] = None
         try:
             lib = ctypes.CDLL("libcuda.so.1")
-            fn = lib.cuLaunchKernelEx
+            fn, self.is_capturing = lib.cuLaunchKernelEx, lib.cuStreamIsCapturing
         except (OSError, AttributeError) as e:
-            self.why_not = f"no cuLaunchKernelEx in libcuda.so.1 ({e})"
+            self.why_not = f"no cuLaunchKernelEx or cuStreamIsCapturing in libcuda.so.1 ({e})"
             return
         fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                        ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self.launch_ex = fn
         self.error_string = lib.cuGetErrorString
+        self.is_capturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        self.is_capturing.restype = ctypes.c_int
         self.attribute = programmatic_attribute()
+
+    def capturing(self, stream_ptr: int) -> bool:
+        """Whether the stream is capturing a CUDA graph (CU_STREAM_CAPTURE_STATUS_ACTIVE);
+        False where the driver cannot say (the legacy stream beside a capture)."""
+        status = ctypes.c_int(0)
+        return self.is_capturing(ctypes.c_void_p(stream_ptr), ctypes.byref(status)) == 0 and status.value == 1
 
 
 _driver: Optional[_Driver] = None
@@ -142,18 +153,20 @@ def _overlaps(device_id: int) -> bool:
 def launch(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], args: Sequence[Any],
            shared_mem: int = 0) -> None:
     """Launch a CuPy RawKernel or module Function on CuPy's current stream,
-    overlapping the kernel before it where the GPU can (see the module doc).
-    Its source must use GRID_DEPENDENCY_CUDA's macros."""
+    overlapping the kernel before it where the GPU can and a CUDA graph is
+    being captured (see the module doc). Its source must use
+    GRID_DEPENDENCY_CUDA's macros."""
     import cupy
 
-    if not _overlaps(cupy.cuda.Device().id):
+    stream = cupy.cuda.get_current_stream().ptr
+    if not _overlaps(cupy.cuda.Device().id) or not _driver.capturing(stream):  # type: ignore[union-attr]
         function(grid, block, tuple(args), shared_mem=shared_mem)
         return
     fn = getattr(function, "kernel", function)  # a RawKernel's compiled Function
     values = c_args(args)
     params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
     assert _driver is not None
-    config = launch_config(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr, _driver.attribute)
+    config = launch_config(grid, block, shared_mem, stream, _driver.attribute)
     err = _driver.launch_ex(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
     if err != 0:
         msg = ctypes.c_char_p()
