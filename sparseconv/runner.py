@@ -42,7 +42,7 @@ from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 from .pool import launch_max_pool
 from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route
 from .runtime import DenseConv2dKernel
-from .table import MAX_TABLE_BATCH, TableConv2d, table_supported
+from .table import MAX_TABLE_BATCH, routable_table
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
 
 
@@ -734,9 +734,7 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
             click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
         layer = program.convs[name]
         cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
-        small = [b for b in batches if b <= MAX_TABLE_BATCH]
-        on_table = TableConv2d(layer.weight, layer.bias, k.shape, k.epilogue, name=name) \
-            if table and small and table_supported(k.shape) is None else None
+        on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
         notes: List[str] = []
 
         def arrays(b: int) -> Tuple[Any, Any, Any]:

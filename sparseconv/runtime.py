@@ -323,7 +323,7 @@ class Conv2dKernel:
         return self.shape.out_channels
 
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
-        return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
+        return self.contract.output_shape(batch)
 
     def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
         x, out, residual = self.contract.arrays(x, out, residual)

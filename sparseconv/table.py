@@ -10,7 +10,7 @@ this kernel, its layer3 convs 1.2-1.6x (bench/weight_table_probe.py, H100,
 session 21). Where many pixels share it (VGG-16's 28x28 layers, or batch
 64) the code is faster, so a layer takes the table only at the batch sizes
 where it measured faster (routing: sparseconv.torch.route_by_batch and the
-runner's route_kernels).
+runner's route_kernels, each timing the table that `routable_table` builds).
 
 The table is the specialisation: `weight_table` keeps each nonzero weight
 once, as an 8-byte entry (where its input sits from an output pixel's
@@ -29,7 +29,7 @@ at the store, as in the other families.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -277,7 +277,7 @@ class TableConv2d:
         cupy.cuda.get_current_stream().synchronize()
 
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
-        return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
+        return self.contract.output_shape(batch)
 
     def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
         x, out, residual = self.contract.arrays(x, out, residual)  # the checks of every family
@@ -292,3 +292,14 @@ class TableConv2d:
     def __repr__(self) -> str:
         return (f"TableConv2d({self.name}: {self.shape.describe()}, {self.stats['nonzero_weights']}/"
                 f"{self.stats['weights']} nonzero weights, {self.tiling.describe()})")
+
+
+def routable_table(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape, epilogue: Epilogue,
+                   batches: Sequence[int], name: str) -> Optional[TableConv2d]:
+    """The TableConv2d that routing (sparsify, sparseconv run) times for a
+    conv layer, on the current GPU; None where the table is not timed: the
+    family does not take the shape, or no batch size is at most
+    MAX_TABLE_BATCH."""
+    if table_supported(shape) is not None or min(batches) > MAX_TABLE_BATCH:
+        return None
+    return TableConv2d(weight, bias, shape, epilogue, name=name)

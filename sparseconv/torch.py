@@ -30,7 +30,7 @@ from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearO
                  swap_dense_linears, swap_max_pools, swap_modules)
 from .routing import choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
-from .table import MAX_TABLE_BATCH, TableConv2d, table_supported
+from .table import MAX_TABLE_BATCH, routable_table
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
@@ -160,10 +160,10 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
                              capture=torch_graph).us
 
-        if table and isinstance(m, FusedConv2d) and table_supported(s) is None and min(sizes) <= MAX_TABLE_BATCH:
+        if table and isinstance(m, FusedConv2d):
             import cupy
             with cupy.cuda.Device(device.index):
-                m.table = TableConv2d(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, name=name)
+                m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
         choice = choose_route(time_both, sizes, time_table=time_table)
         m.route = list(choice.route)
         if all(path != "table" for _, path in m.route):

@@ -10,8 +10,9 @@ import pytest
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
-from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS, TableTiling, table_grid,
-                              table_source, table_supported, table_tiling, weight_table)
+from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS, TableTiling,
+                              routable_table, table_grid, table_source, table_supported, table_tiling,
+                              weight_table)
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 from ptx_interpreter import run_kernel
@@ -175,3 +176,12 @@ def test_the_table_kernel_is_a_public_name_that_loads_on_first_use():
 
     assert "TableConv2d" in sparseconv.__all__ and "TableConv2d" in dir(sparseconv)
     assert sparseconv.TableConv2d is sparseconv.table.TableConv2d
+
+
+def test_routing_times_no_table_where_the_family_or_the_batch_sizes_rule_it_out():
+    """routable_table decides for both front ends; None before anything touches a GPU."""
+    w = np.ones((4, 2, 3, 3), np.float32)
+    grouped = ConvShape(4, 4, 8, 8, 3, 3, padding=(1, 1), groups=2)
+    assert routable_table(w, None, grouped, Epilogue(), [1], "g") is None  # grouped: not taken by the family
+    plain = ConvShape(2, 4, 8, 8, 3, 3, padding=(1, 1))
+    assert routable_table(w, None, plain, Epilogue(), [MAX_TABLE_BATCH + 1, 64], "p") is None  # batches too big
