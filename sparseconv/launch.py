@@ -25,7 +25,7 @@ capture; an eager call keeps CuPy's launch and its host cost.
     launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
 
 The switch: OVERLAP_LAUNCHES (environment SPARSECONV_OVERLAP_LAUNCHES=0 turns
-it off), read at each launch.
+it off, read at import), checked at each launch.
 """
 from __future__ import annotations
 
@@ -49,7 +49,19 @@ GRID_DEPENDENCY_CUDA = r"""
 #endif
 """
 
-OVERLAP_LAUNCHES: bool = os.environ.get("SPARSECONV_OVERLAP_LAUNCHES", "1") != "0"
+
+def overlap_from_environment(value: Optional[str]) -> bool:
+    """SPARSECONV_OVERLAP_LAUNCHES: unset, 1/true/yes/on -> True; 0/false/no/off -> False
+    (any case); anything else is refused, so a typo does not silently leave it on."""
+    if value is None or value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"SPARSECONV_OVERLAP_LAUNCHES must be 1 or 0 (true/false, yes/no, on/off), got {value!r}; "
+                     f"unset it or set it to 0 to launch our kernels one after another")
+
+
+OVERLAP_LAUNCHES: bool = overlap_from_environment(os.environ.get("SPARSECONV_OVERLAP_LAUNCHES"))
 
 # cuda.h (CUDA 12.0 and later, unchanged in 13.0): CUlaunchAttribute is
 # {id; 4 bytes of padding; a 64-byte value union}, CUlaunchConfig

@@ -899,3 +899,23 @@ def test_the_table_kernel_refuses_a_layer_it_cannot_take_before_touching_a_gpu(w
 
     with pytest.raises(ValueError, match=needle):
         TableConv2d(np.ones(weight_shape, np.float32), None, shape, name="conv9")
+
+
+def test_a_mistyped_overlap_switch_is_refused_at_import_with_what_to_set():
+    """SPARSECONV_OVERLAP_LAUNCHES=maybe: the first use of sparseconv's kernels (the import of
+    sparseconv.launch) fails naming the variable and its values, instead of leaving the overlap on silently."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, SPARSECONV_OVERLAP_LAUNCHES="maybe", PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", "import sparseconv; sparseconv.compile_conv2d"], cwd=root, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    assert ("ValueError: SPARSECONV_OVERLAP_LAUNCHES must be 1 or 0 (true/false, yes/no, on/off), got 'maybe'"
+            in r.stderr)
+    for value, on in (("OFF", False), ("0", False), ("yes", True), ("", None)):
+        env["SPARSECONV_OVERLAP_LAUNCHES"] = value
+        r = subprocess.run([sys.executable, "-c", "import sparseconv.launch as l; print(l.OVERLAP_LAUNCHES)"],
+                           cwd=root, env=env, capture_output=True, text=True)
+        if on is None:  # set but empty: refused too
+            assert "got ''" in r.stderr
+        else:
+            assert r.stdout.strip() == str(on), r.stderr
