@@ -14,7 +14,7 @@ and on the device:
 
 Each run gets PYTHONPATH pointing at one tree (the old folder, or this
 repository for "new") and PYTHONSAFEPATH=1, so neither the working folder
-nor the script's folder comes first on sys.path (Python 3.11 and later);
+nor the script's folder comes first on the import path (Python 3.11 and later);
 "{side}" (old / new) and "{round}" (1, 2, ...) in the command are replaced.
 Each run's output goes to <out-dir>/<round><side>.txt, and one line a run
 says its exit status. Session 23 did this by hand (run n)
@@ -35,14 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TREE = ("sparseconv", "templates")  # what an import of sparseconv needs: the package and its templates
 
 
+class TreeAbError(ValueError):
+    """Bad input: main() prints it as one line and exits 2, before anything is written or run."""
+
+
 def export(rev: str, dest: Path) -> None:
     """sparseconv/ and templates/ of commit `rev` into dest (which must not exist), atomically."""
     if dest.exists():
-        raise SystemExit(f"tree_ab export: {dest} exists; remove it or name another folder")
+        raise TreeAbError(f"export: {dest} exists; remove it or name another folder")
     check = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
                            capture_output=True, text=True)
     if check.returncode != 0:
-        raise SystemExit(f"tree_ab export: {rev!r} is not a commit of {ROOT}")
+        raise TreeAbError(f"export: {rev!r} is not a commit of {ROOT}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
@@ -60,14 +64,14 @@ def run(old: Path, rounds: int, out_dir: Path, command: List[str]) -> int:
     """The command, old then new, `rounds` times; returns the number of runs that failed."""
     missing = [name for name in TREE if not (old / name).is_dir()]
     if missing:
-        raise SystemExit(f"tree_ab run: {old} has no {', '.join(missing)}/; make it with "
-                         f"`python bench/tree_ab.py export <commit> {old}`")
+        raise TreeAbError(f"run: {old} has no {', '.join(missing)}/; make it with "
+                          f"`python bench/tree_ab.py export <commit> {old}`")
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = 0
     for r in range(1, rounds + 1):
         for side, tree in (("old", old.resolve()), ("new", ROOT)):
             argv = [a.replace("{side}", side).replace("{round}", str(r)) for a in command]
-            # PYTHONSAFEPATH: no cwd (the repository, for -c and -m) ahead of PYTHONPATH on sys.path
+            # PYTHONSAFEPATH: no cwd (the repository, for -c and -m) ahead of PYTHONPATH on the import path
             env = dict(os.environ, PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
             log = out_dir / f"{r}{side}.txt"
             with open(log, "w") as f:
@@ -89,15 +93,19 @@ def main() -> None:
     rn.add_argument("--out-dir", type=Path, required=True)
     rn.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     args = ap.parse_args()
-    if args.what == "export":
-        export(args.rev, args.dest)
-        return
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        ap.error("run: give the command after --, e.g. -- python bench/weight_table_probe.py ...")
-    if args.rounds < 1:
-        ap.error(f"--rounds must be 1 or more, got {args.rounds}")
-    sys.exit(1 if run(args.old, args.rounds, args.out_dir, command) else 0)
+    try:
+        if args.what == "export":
+            export(args.rev, args.dest)
+            return
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            raise TreeAbError("run: give the command after --, e.g. -- python bench/weight_table_probe.py ...")
+        if args.rounds < 1:
+            raise TreeAbError(f"run: --rounds must be 1 or more, got {args.rounds}")
+        failed = run(args.old, args.rounds, args.out_dir, command)
+    except TreeAbError as e:
+        ap.error(str(e))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -919,3 +919,27 @@ def test_a_mistyped_overlap_switch_is_refused_at_import_with_what_to_set():
             assert "got ''" in r.stderr
         else:
             assert r.stdout.strip() == str(on), r.stderr
+
+
+@pytest.mark.parametrize("case", ["bad-commit", "export-over-a-folder", "old-without-templates", "no-command",
+                                  "zero-rounds"])
+def test_tree_ab_refuses_bad_input_in_one_line_before_writing_or_running(case, tmp_path):
+    """bench/tree_ab.py: exit 2, the last stderr line names what to do; nothing exported, no log written."""
+    there = tmp_path / "there"
+    there.mkdir()
+    out = tmp_path / "ab"
+    argv, needle = {
+        "bad-commit": (["export", "no-such-commit-xyz", str(tmp_path / "old")],
+                       "export: 'no-such-commit-xyz' is not a commit of"),
+        "export-over-a-folder": (["export", "HEAD", str(there)], "exists; remove it or name another folder"),
+        "old-without-templates": (["run", "--old", str(there), "--out-dir", str(out), "--", "true"],
+                                  "has no sparseconv, templates/; make it with `python bench/tree_ab.py export "
+                                  f"<commit> {there}`"),
+        "no-command": (["run", "--old", str(there), "--out-dir", str(out)], "run: give the command after --"),
+        "zero-rounds": (["run", "--old", str(there), "--rounds", "0", "--out-dir", str(out), "--", "true"],
+                        "run: --rounds must be 1 or more, got 0"),
+    }[case]
+    r = _bench("bench/tree_ab.py", *argv)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any(there.iterdir())
