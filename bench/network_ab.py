@@ -39,6 +39,9 @@ Rules (each was measured this way before it landed):
   overlap-launches  our kernels launched to overlap the kernel before them
                     (sparseconv.launch, programmatic dependent launch), not
                     one after another
+  long-table-channels  table layers of 256+ entries a channel and 128+ output
+                    pixels at 4 pixels a lane and 16 warps
+                    (table.VERY_LONG_CHANNEL), not table_tiling's other rules
 """
 from __future__ import annotations
 
@@ -92,6 +95,12 @@ def without_table() -> None:
     sc_torch.MAX_TABLE_BATCH = 0  # looked up at call time by route_by_batch: no batch is timed on the table
 
 
+def without_long_table_channels() -> None:
+    import sparseconv.table as table
+
+    table.VERY_LONG_CHANNEL = float("inf")  # read at call time by table_tiling
+
+
 def without_overlap_launches() -> None:
     import sparseconv.launch as launch
 
@@ -101,7 +110,8 @@ def without_overlap_launches() -> None:
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
-         "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches}
+         "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches,
+         "long-table-channels": without_long_table_channels}
 
 
 def main() -> None:

@@ -54,9 +54,15 @@ MAX_TABLE_BATCH = 8
 # 16 warps where the grid has at most VERY_FEW_BLOCKS (session 23, run i:
 # ResNet-50 layer4.1.conv2, 512 blocks, 8.8 against 10.5 us cold, and
 # layer4.1.conv1 4.9 against 6.2; 8 warps filled 45% of the SMs' warp slots).
+# 4 pixels a lane and 16 warps where a channel has more than VERY_LONG_CHANNEL
+# entries and the image at least 128 output pixels, so that a block of 128
+# pixels is mostly full (session 24, run u: VGG-16 conv5_2, 14x14, 461 entries
+# a channel, 27.3 against 30.7 us cold; ResNet-50's 14x14 layers have at most
+# 230 and stayed within the spread).
 FEW_BLOCKS = 1024
 VERY_FEW_BLOCKS = 512
 LONG_SHARE = 64
+VERY_LONG_CHANNEL = 256
 
 
 @dataclass(frozen=True)
@@ -90,14 +96,17 @@ def table_supported(shape: ConvShape) -> Optional[str]:
 
 
 def table_tiling(shape: ConvShape, batch: int = 1, nonzeros: Optional[int] = None) -> TableTiling:
-    """The rule (see LONG_SHARE): 2 pixels a lane; 16 warps a block where the
-    grid is very small; 8 where 4 would each walk more than LONG_SHARE of a
-    channel's entries or the grid is small; else 4. nonzeros: the layer's
-    nonzero weights (None: 10%)."""
+    """The rule (see LONG_SHARE and VERY_LONG_CHANNEL): 4 pixels a lane and
+    16 warps on very long channels of images of 128+ pixels; else 2 pixels a
+    lane, and 16 warps a block where the grid is very small, 8 where 4 would
+    each walk more than LONG_SHARE of a channel's entries or the grid is
+    small, else 4. nonzeros: the layer's nonzero weights (None: 10%)."""
     if nonzeros is None:
         nonzeros = shape.out_channels * shape.in_channels * shape.kernel_h * shape.kernel_w // 10
     blocks = -(-shape.out_h * shape.out_w // 64) * shape.out_channels * batch
     long_share = nonzeros / shape.out_channels / 4 > LONG_SHARE
+    if nonzeros / shape.out_channels > VERY_LONG_CHANNEL and shape.out_h * shape.out_w >= 128:
+        return TableTiling(4, 16)
     if blocks <= VERY_FEW_BLOCKS:
         return TableTiling(2, 16)
     return TableTiling(2, 8 if long_share or blocks <= FEW_BLOCKS else 4)

@@ -10,7 +10,8 @@ import pytest
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
-from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS, TableTiling,
+from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS,
+                              VERY_LONG_CHANNEL, TableTiling,
                               routable_table, table_grid, table_source, table_supported, table_tiling,
                               weight_table)
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
@@ -151,8 +152,13 @@ def test_the_tiling_rule_gives_long_channels_and_small_grids_more_warps():
     assert table_tiling(layer4_conv1) == TableTiling(2, 16)  # <= VERY_FEW_BLOCKS
     assert table_tiling(layer4_conv1, batch=2) == TableTiling(2, 8)  # 1,024 blocks
     assert table_tiling(downsample) == TableTiling(2, 4)
-    assert table_tiling(vgg_conv5) == TableTiling(2, 8)
+    assert table_tiling(vgg_conv5) == TableTiling(4, 16)  # > VERY_LONG_CHANNEL entries a channel, 196 pixels
+    assert table_tiling(vgg_conv5, nonzeros=512 * VERY_LONG_CHANNEL) == TableTiling(2, 4)  # not more: shares of 64
     assert table_tiling(vgg_conv5, nonzeros=512 * 4 * LONG_SHARE) == TableTiling(2, 4)  # sparser: short shares
+    # as long a channel on 7x7 (ResNet-50 layer4.x.conv2): 49 pixels would fill 49 of a 128-pixel block
+    assert table_tiling(ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1))) == TableTiling(2, 16)
+    # ResNet-50 layer3.x.conv2: 230 entries a channel
+    assert table_tiling(ConvShape(256, 256, 14, 14, 3, 3, padding=(1, 1))) == TableTiling(2, 8)
     assert table_tiling(layer4_conv1, batch=4) == TableTiling(2, 4)  # 2,048 blocks of 51-entry shares
     assert VERY_FEW_BLOCKS < FEW_BLOCKS < 2048
 
