@@ -811,12 +811,30 @@ def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path
 def test_weight_table_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
     """bench/weight_table_probe.py: exit 2 with one line naming what to fix,
     before it builds a kernel or touches a GPU, and no --out file written."""
-    out = tmp_path / "t.json"
-    argv = (["--layers", "resnet50:layer4.1.conv1"] if "--layers" not in args else []) \
+    _probe_refuses("bench/weight_table_probe.py", "resnet50:layer4.1.conv1", args, needle, tmp_path)
+
+
+def _probe_refuses(script, layer, args, needle, tmp_path):
+    """A layer probe run with `args` (plus --layers `layer` and an --out in
+    tmp_path where args name none) exits 2, its last line ending in `needle`,
+    and writes no --out file."""
+    out = tmp_path / "probe.json"
+    argv = (["--layers", layer] if "--layers" not in args else []) \
         + (["--out", str(out)] if "--out" not in args else []) + args
-    r = _bench("bench/weight_table_probe.py", *argv)
+    r = _bench(script, *argv)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle), r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--layers", "vgg16:conv9_9"], "--layers: 'vgg16:conv9_9' is not <resnet50|vgg16>:<layer>, e.g. resnet50:conv1"),
+    (["--layers", "alexnet:conv1"], "--layers: 'alexnet:conv1' is not <resnet50|vgg16>:<layer>, e.g. resnet50:conv1"),
+    (["--out", "/no/such/folder/p.json"], "--out /no/such/folder/p.json: folder /no/such/folder does not exist"),
+])
+def test_code_prefetch_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
+    """bench/code_prefetch_probe.py: exit 2 with one line naming what to fix,
+    before it builds a kernel or touches a GPU, and no --out file written."""
+    _probe_refuses("bench/code_prefetch_probe.py", "resnet50:conv1", args, needle, tmp_path)
 
 
 @pytest.mark.parametrize("args, needle", [
