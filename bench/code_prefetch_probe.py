@@ -75,6 +75,7 @@ def main() -> None:
         # but into a scratch array of that shape: the layer's own results are untouched
         slices = layer.tiling.slices if layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel" else 0
         scratch = cupy.empty(((slices,) if slices else ()) + out.shape, cupy.float32)
+        scratch_bias = cupy.zeros(shape.out_channels, cupy.float32)
         grid = layer.grid(1)
         prefetch_grid = (1, grid[1], 1)
 
@@ -83,7 +84,7 @@ def main() -> None:
 
         def prefetch():
             launch(fn, prefetch_grid, (layer.tiling.threads, 1, 1),
-                   (x, scratch, kernel._bias, np.uint64(0), np.int32(1), np.int32(layer.chunks)),
+                   (x, scratch, scratch_bias, np.uint64(0), np.int32(1), np.int32(layer.chunks)),
                    shared_mem=layer.shared_bytes)
 
         flush_only = l2_flush(flush, x)
