@@ -118,3 +118,29 @@ def test_output_channel_tests_only_where_a_k_block_runs_past_the_channels(family
     assert "#define K_TAIL         0" in render(ConvShape(4, 12, 9, 9, 1, 1), t(4)).source
     assert "#define K_TAIL         1" in render(ConvShape(4, 12, 9, 9, 1, 1), t(8)).source
     assert "#define K_TAIL         0" in render(ConvShape(4, 12, 9, 9, 1, 1, groups=2), t(6)).source  # per group
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("slices", [1, 4])
+def test_a_one_pixel_pointwise_body_compiles_to_the_ptx_of_its_loop_form(slices):
+    """The pointwise template writes each one-pixel FMA out instead of a
+    one-pass #pragma unroll loop, because nvcc took ~1.8x as long on thousands
+    of those loops (docs/PERFORMANCE.md, session 25). The generated code must
+    not change: put the loops back and compare the PTX."""
+    import re
+
+    from sparseconv.compile import compile_to_ptx
+    from sparseconv.shapes import Epilogue, Target, pointwise_tiling
+
+    shape = ConvShape(64, 48, 9, 9, 3, 3, padding=(1, 1))
+    r = render(shape, pointwise_tiling(shape, 16, 1, 128, slices=slices), Epilogue("relu", residual=True))
+    one = re.compile(r"^( +)acc\[(\d+)\]\[0\] = __fmaf_rn\(v\[(\d+)\]\[0\], w, acc\[\d+\]\[0\]\);$", re.M)
+    assert len(one.findall(r.source)) == len(r.placeholders) and "i < PIXELS; ++i) acc" not in r.source
+    looped = one.sub(lambda m: f"#pragma unroll\n{m.group(1)}for (int i = 0; i < PIXELS; ++i) "
+                               f"acc[{m.group(2)}][i] = __fmaf_rn(v[{m.group(3)}][i], w, acc[{m.group(2)}][i]);",
+                     r.source)
+
+    def code(ptx):
+        return [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
+
+    assert code(compile_to_ptx(r.source, Target())) == code(compile_to_ptx(looped, Target()))
