@@ -6,7 +6,15 @@
   - routed sum: the per-layer times routing measured in isolation (each layer
     alone with L2 overwritten first, the faster of its kernel and cuDNN fp32).
 Graph replay minus kernel sum is launch gaps; kernel sum minus routed sum is
-what layers lose inside the network. Per layer, the kernel time inside the
+what layers lose inside the network.
+
+The kernel sum profiles eager forwards, and an eager forward launches our
+kernels one after another (sparseconv/launch.py overlaps them only inside a
+CUDA graph). So each figure is also split over the replay itself ("in the
+graph"): the replayed forward's span from its first kernel's start to its
+last kernel's end, shared out as how far each kernel moved the latest end
+(graph_spans), plus the gaps where no kernel ran. A kernel that overlaps the
+one before counts only for what it adds, so the parts add up to the span. Per layer, the kernel time inside the
 network (in_network_us); with --per-layer also each conv alone through both
 paths, hot (replayed back to back) and with L2 flushed before each call, and
 its code size: do layers lose in the network what they lose cold?
@@ -77,6 +85,53 @@ def attribute_kernels(kernels: Sequence[Tuple[str, float]], calls: Sequence[Tupl
     return out
 
 
+def graph_spans(kernels: Sequence[Tuple[str, float, float]]) -> Tuple[List[Tuple[str, float]], float]:
+    """One replayed forward's kernels as (name, start µs, end µs), by start:
+    each kernel's share of the forward's span, max(0, end - max(start, the
+    latest end before it)), and the gaps where no kernel ran. The shares and
+    the gaps add up to the last end minus the first start."""
+    shares: List[Tuple[str, float]] = []
+    latest, gaps = None, 0.0
+    for name, start, end in kernels:
+        if latest is not None and start > latest:
+            gaps += start - latest
+        shares.append((name, max(0.0, end - (start if latest is None else max(start, latest)))))
+        latest = end if latest is None else max(latest, end)
+    return shares, gaps
+
+
+def graph_profile(net: torch.nn.Module, x: torch.Tensor, calls: Sequence[Tuple[str, str]],
+                  repeat: int = 5) -> Dict[str, object]:
+    """The forward as `sparseconv bench --network` times it, one CUDA graph
+    replayed, split by graph_spans; `calls` are one forward's kernel nodes
+    (layer, path) in call order, from an eager forward at the same batch."""
+    graphed = CudaGraphModule(net)
+    for _ in range(3):
+        graphed(x)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            graphed(x)
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    if not events or len(events) % repeat:
+        return {"graph_profile": f"{len(events)} kernel events over {repeat} replays: not split"}
+    last = [(ev.name, float(ev.time_range.start), float(ev.time_range.end))
+            for ev in events[-(len(events) // repeat):]]
+    shares, gaps = graph_spans(last)
+    by_cat: Dict[str, float] = defaultdict(float)
+    for name, us in shares:
+        by_cat[category(name)] += us
+    try:
+        in_graph = attribute_kernels(shares, calls)
+    except ValueError as exc:  # the replay launched other kernels than the eager forward
+        in_graph = {"not attributed": str(exc)}
+    return {"graph_span_us": max(end for _, _, end in last) - last[0][1], "graph_gaps_us": gaps,
+            "graph_kernels_per_forward": len(last), "graph_spans_by_category_us": dict(by_cat),
+            "in_graph_us": in_graph}
+
+
 def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str, object]:
     calls: List[Tuple[str, str]] = []
     hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m.layer_name, m.path(len(args[0])))))
@@ -104,10 +159,11 @@ def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str,
     per_forward = len(kernels) // repeat
     last = [(ev.name, ev.device_time) for ev in kernels[-per_forward:]] if len(kernels) % repeat == 0 else []
     in_network = attribute_kernels(last, calls[len(calls) - len(calls) // repeat:]) if last else {}
+    forward_calls = calls[len(calls) - len(calls) // repeat:]
     return {"kernels_per_forward": len(kernels) / repeat, "by_category_us": dict(by_cat),
             "kernel_sum_us": sum(by_cat.values()),
             "top_kernels_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]),
-            "in_network_us": in_network}
+            "in_network_us": in_network, **graph_profile(net, x, forward_calls)}
 
 
 def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[str, Dict[str, float]]:
@@ -182,16 +238,25 @@ def main() -> None:
                   f"routed sum of the convs {prof['routed_sum_us']:,.0f} us")
             for k, v in sorted(prof["by_category_us"].items(), key=lambda kv: -kv[1]):
                 print(f"   {k:14s} {v:10,.1f}")
+            if "graph_span_us" in prof:
+                print(f"   in the graph: span {prof['graph_span_us']:,.1f} us over "
+                      f"{prof['graph_kernels_per_forward']} kernels, gaps {prof['graph_gaps_us']:,.1f} us; by category "
+                      + ", ".join(f"{k} {v:,.1f}" for k, v in sorted(prof["graph_spans_by_category_us"].items(),
+                                                                     key=lambda kv: -kv[1])))
+            else:
+                print(f"   in the graph: {prof['graph_profile']}")
             for k, v in list(prof["top_kernels_us"].items())[:12]:
                 print(f"   {v:10,.1f}  {k}")
             if args.per_layer:
                 alone = isolated_us(fast, b, dev)
                 prof["isolated_us"] = alone
-                print(f"   {'layer':28s} {'in net':>8s} {'ours hot':>9s} {'cold':>7s} {'cuDNN hot':>10s} {'cold':>7s}"
-                      f" {'code KB':>8s}")
+                print(f"   {'layer':28s} {'in net':>8s} {'in graph':>9s} {'ours hot':>9s} {'cold':>7s} "
+                      f"{'cuDNN hot':>10s} {'cold':>7s} {'code KB':>8s}")
                 for name, row in alone.items():
                     net_us = prof["in_network_us"].get(name)
+                    graph_us_ = prof.get("in_graph_us", {}).get(name)
                     print(f"   {name:28s} {'-' if net_us is None else f'{net_us:8.1f}':>8s} "
+                          f"{'-' if graph_us_ is None else f'{graph_us_:9.1f}':>9s} "
                           f"{row['sparseconv_hot']:9.1f} {row['sparseconv_cold']:7.1f} {row['dense_hot']:10.1f} "
                           f"{row['dense_cold']:7.1f} {row['code_bytes'] / 1024:8.0f}")
     for line in result["plan"]:

@@ -80,12 +80,18 @@ def test_the_table_switch_times_no_batch_on_the_table():
     assert printed(code, "table") == "0"
 
 
-def test_network_profile_attributes_kernels_and_sums_routes_with_the_table():
+def network_profile():
+    """bench/network_profile.py as a module (bench/ is not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("network_profile", ROOT / "bench" / "network_profile.py")
     prof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof)
+    return prof
+
+
+def test_network_profile_attributes_kernels_and_sums_routes_with_the_table():
+    prof = network_profile()
     kernels = [("sc_conv2d_a", 5.0), ("sc_reduce_slices", 2.0), ("sc_table_conv", 3.0), ("max_pool", 1.0),
                ("sc_conv2d_b", 4.0), ("sc_table_conv", 6.0)]
     calls = [("conv1", "sparseconv"), ("conv2", "table"), ("conv3", "dense"), ("conv4", "sparseconv"),
@@ -98,7 +104,18 @@ def test_network_profile_attributes_kernels_and_sums_routes_with_the_table():
     assert prof.routed_sum_us(plan, 1) == 20.0 and prof.routed_sum_us(plan, 64) == 170.0
 
 
+def test_graph_spans_share_the_replay_out_among_overlapping_kernels():
+    prof = network_profile()
+    # a starts at 0; b is let in early (starts at 8) and ends at 15; c waits 5 us
+    # after b and ends inside nothing; d starts and ends inside c
+    kernels = [("a", 0.0, 10.0), ("b", 8.0, 15.0), ("c", 20.0, 30.0), ("d", 22.0, 25.0)]
+    shares, gaps = prof.graph_spans(kernels)
+    assert shares == [("a", 10.0), ("b", 5.0), ("c", 10.0), ("d", 0.0)] and gaps == 5.0
+    assert sum(us for _, us in shares) + gaps == 30.0 - 0.0
+
+
 def test_the_overlap_switch_turns_overlapped_launches_off():
     code = "import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES, launch._overlaps(0))"
     assert printed(code, "overlap-launches") == "False False"  # off before any device is asked
     assert printed("import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES)") == "True"
+
