@@ -42,7 +42,7 @@ import numpy as np
 from sparseconv.compile import ToolNotFoundError, find_tool
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, pointwise_tiling,
+from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, pointwise_tiling, tiling_for,
                                variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
@@ -51,7 +51,9 @@ from sparseconv.zoo import pruned_model, resnet50, vgg16
 
 def parse_cand(shape, text: str, batch: int):
     """"default", "direct" (the direct family's default and its split variant
-    for this batch) or k_block x threads x slices[x c_block], each with optional
+    for this batch), "d" k_block x outputs a thread along W x threads (the
+    direct family, unsplit: shapes.tiling_for, e.g. d8x2x128) or
+    k_block x threads x slices[x c_block] (the pointwise family), each with optional
     suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
     ":Scluster" (how the slices are summed, Tiling.slice_sum), e.g. 64x256x1:B2."""
@@ -60,6 +62,9 @@ def parse_cand(shape, text: str, batch: int):
         t = variant_for_batch(shape, batch)
     elif text == "direct":
         t = variant_for_batch(shape, batch, default_direct_tiling(shape))
+    elif text.startswith("d"):
+        kb, thread_w, threads = (int(v) for v in text[1:].split("x"))
+        t = tiling_for(shape, kb, thread_w, 1, threads)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparseconv.zoo import vgg16
+from sparseconv.zoo import resnet50, vgg16
 
 spec = importlib.util.spec_from_file_location("split_probe", Path(__file__).parent.parent / "bench" / "split_probe.py")
 split_probe = importlib.util.module_from_spec(spec)
@@ -71,3 +71,10 @@ def test_sparsity_one_leaves_no_weight_and_the_draw_stays_per_layer():
     assert (dense != 0).all()
     half = split_probe.layer_weight(0, "vgg16:conv4_2", shapes["conv4_2"], 0.5)
     assert 0.45 < (half == 0).mean() < 0.55
+
+
+def test_a_d_candidate_is_an_unsplit_direct_tiling_of_that_block():
+    shapes = dict(resnet50())
+    t = split_probe.parse_cand(shapes["conv1"], "d8x1x256", 1)
+    assert (t.family, t.k_block, t.thread_w, t.threads, t.slices) == ("direct", 8, 1, 256, 1)
+    assert split_probe.parse_cand(shapes["conv1"], "d16x2x128:O1", 1).ptxas_level == 1
