@@ -42,6 +42,9 @@ Rules (each was measured this way before it landed):
   long-table-channels  table layers of 256+ entries a channel and 128+ output
                     pixels at 4 pixels a lane and 16 warps
                     (table.VERY_LONG_CHANNEL), not table_tiling's other rules
+  image-layer-blocks  the image layer (3-4 input channels) at batch 1 in
+                    16-channel blocks of 256 threads (shapes.image_layer_blocks),
+                    not its default direct tiling
 """
 from __future__ import annotations
 
@@ -107,11 +110,15 @@ def without_overlap_launches() -> None:
     launch.OVERLAP_LAUNCHES = False  # read at each launch
 
 
+def without_image_layer_blocks() -> None:
+    shapes.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by split_tiling
+
+
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
          "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches,
-         "long-table-channels": without_long_table_channels}
+         "long-table-channels": without_long_table_channels, "image-layer-blocks": without_image_layer_blocks}
 
 
 def main() -> None:

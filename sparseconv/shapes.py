@@ -842,6 +842,31 @@ def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
     return tiling if tiling is not None and math.prod(launch_grid(shape, tiling, 1)) <= ONE_WAVE else None
 
 
+# Small-batch variant of a network's image layer (at most
+# IMAGE_LAYER_MAX_CHANNELS input channels, no groups), when it has the direct
+# family's default tiling: 16 output channels x one output a thread x 256
+# threads instead of 32 x 2 x 128. In the network the layer runs cold, and its
+# time is every SM fetching its block's code from DRAM; smaller k-blocks, in
+# more blocks an SM, fetch less code a block and several streams at once.
+# Measured on the H100 (bench/split_probe.py --cold --epilogue relu --weights
+# zoo, session 25, runs an and ao), us hot / cold, default -> this:
+# - batch 1: ResNet-50 conv1 (7x7 s2) 4.8 / 16.4 -> 5.2 / 9.7, VGG-16 conv1_1
+#   6.1 / 9.6 -> 5.9 / 7.2; k8 blocks were slower, cold, on both;
+# - batch 8: 21.3 / 32.0 -> 33.8 / 35.1 (ResNet-50), batch 64: 148.6 -> 277.8.
+# So batch 1 only.
+IMAGE_LAYER_MAX_CHANNELS = 4
+IMAGE_LAYER_K_BLOCK, IMAGE_LAYER_THREADS = 16, 256
+
+
+def image_layer_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
+    """The small-batch variant described at IMAGE_LAYER_MAX_CHANNELS, or None
+    where the rule does not apply to `shape` with `tiling`."""
+    if (shape.in_channels > IMAGE_LAYER_MAX_CHANNELS or shape.groups != 1 or tiling.family != "direct"
+            or tiling != default_direct_tiling(shape)):
+        return None
+    return tiling_for(shape, _k_block(shape, IMAGE_LAYER_K_BLOCK), 1, 1, IMAGE_LAYER_THREADS)
+
+
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
@@ -850,7 +875,8 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     family whatever family `tiling` is, except that a pointwise `tiling` of
     whole_image_split's or large_image_blocks' class takes that (checked
     first; a direct `tiling` keeps the direct split, for comparisons; the
-    latter's variant is not split, only smaller blocks). Pointwise-family
+    latter's variant is not split, only smaller blocks), and so does an image
+    layer's default direct tiling (image_layer_blocks, not split either). Pointwise-family
     convs with images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear
     layers, whose image is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
@@ -861,6 +887,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     whole = (whole_image_split(shape) or large_image_blocks(shape)) if tiling.family == "pointwise" else None
     if whole is not None:
         return whole
+    image_layer = image_layer_blocks(shape, tiling)
+    if image_layer is not None:
+        return image_layer
     if (tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1)
             and shape.out_h * shape.out_w > SMALL_BATCH_POINTWISE_OUTPUT):
         tiling = default_direct_tiling(shape)  # measured faster split (SMALL_BATCH_POINTWISE_OUTPUT)

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from sparseconv.render import epilogue_code, render, template_name
+import sparseconv.shapes as shapes
 from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_WAVE_MAX_THREADS, L2_GROUP_BYTES,
                                MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE,
                                SMALL_BATCH_POINTWISE_OUTPUT, ConvShape, Epilogue, Tiling, batch_variants,
@@ -199,7 +200,8 @@ def test_the_largest_launch_fits_cuda_and_32_bit_pixel_indices(shape):
 
 def test_split_variants_only_where_one_image_leaves_the_gpu_idle():
     stem = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
-    assert split_tiling(stem, default_tiling(stem)) is None   # too little work per output to split
+    # too little work per output to split: its small-batch variant is smaller blocks, unsplit
+    assert split_tiling(stem, default_tiling(stem)).slices == 1
     big = ConvShape(64, 256, 112, 112, 1, 1)
     assert split_tiling(big, default_tiling(big)) is None     # one image fills the GPU
     one_chunk = ConvShape(64, 64, 56, 56, 1, 1)
@@ -238,8 +240,27 @@ def test_batch_variants_end_with_one_for_any_batch():
         if len(variants) == 2:
             up_to, split = variants[0]
             assert 1 <= up_to <= MAX_SPLIT_BATCH
+            if split == shapes.image_layer_blocks(shape, default_tiling(shape)):  # smaller blocks at batch 1
+                assert up_to == 1 and shape.in_channels <= 4
+                continue
             assert split.slices > 1 or split == large_image_blocks(shape)  # smaller blocks, not split
             assert blocks_per_image(shape, split) / split.slices < ONE_WAVE
+
+
+def test_the_image_layer_takes_16_channel_blocks_of_256_threads_at_batch_1_only():
+    from sparseconv.shapes import default_direct_tiling, image_layer_blocks, variant_for_batch
+
+    r50, vgg = dict(resnet50()), dict(vgg16())
+    for s in (r50["conv1"], vgg["conv1_1"]):
+        t = variant_for_batch(s, 1)
+        assert (t.family, t.k_block, t.thread_w, t.thread_h, t.threads, t.slices) == ("direct", 16, 1, 1, 256, 1)
+        assert variant_for_batch(s, 2) == default_tiling(s) == default_direct_tiling(s)
+    image = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
+    assert image_layer_blocks(image, Tiling(8, 1, 4, 32, 1, 1)) is None  # a tiling of the user's own
+    assert image_layer_blocks(ConvShape(16, 64, 56, 56, 3, 3, (1, 1), (1, 1)),
+                              default_tiling(ConvShape(16, 64, 56, 56, 3, 3, (1, 1), (1, 1)))) is None
+    grouped = ConvShape(4, 8, 32, 32, 3, 3, (1, 1), (1, 1), groups=2)
+    assert image_layer_blocks(grouped, default_tiling(grouped)) is None
 
 
 def test_epilogue_records_and_their_code():

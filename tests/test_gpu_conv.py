@@ -205,6 +205,8 @@ FAMILY_LAYERS = {
     # its batch-1 variant 800-thread blocks of 16 channels, unsplit (shapes.large_image_blocks)
     "mid_112x112_large_image": (64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
+    # the image layer: 16-channel blocks of 256 threads at batch 1 (shapes.image_layer_blocks)
+    "direct_image_layer": (3, 64, 224, 224, 7, 7, (2, 2), (3, 3)),
 }
 
 
@@ -234,6 +236,11 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
 
         assert conv.variant(1)[1].tiling == whole_image_split(s) and whole_image_split(s).threads == 800
         assert launch_grid(s, whole_image_split(s), 1)[0] == (1 if s.out_h == 28 else 4)  # pixel blocks
+    if name.endswith("image_layer"):
+        from sparseconv.shapes import default_tiling, image_layer_blocks
+
+        assert conv.variant(1)[1].tiling == image_layer_blocks(s, default_tiling(s))
+        assert conv.variant(2)[1].tiling == default_tiling(s)
     if name.endswith("large_image"):
         from sparseconv.shapes import large_image_blocks
 

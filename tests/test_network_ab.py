@@ -119,3 +119,9 @@ def test_the_overlap_switch_turns_overlapped_launches_off():
     assert printed(code, "overlap-launches") == "False False"  # off before any device is asked
     assert printed("import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES)") == "True"
 
+
+def test_the_image_layer_switch_leaves_the_stem_its_default_tiling_at_batch_1():
+    code = ("from sparseconv.shapes import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
+            "s = dict(resnet50())['conv1']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
+    assert printed(code) == "False"
+    assert printed(code, "image-layer-blocks") == "True"

@@ -12,7 +12,8 @@ from sparseconv.ptx import Stmt
 from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, n_chunks
+from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, image_layer_blocks, launch_grid,
+                               n_chunks)
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -236,6 +237,12 @@ FAMILY_LAYERS = {
     "direct_cluster_two_chunks": (ConvShape(8, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                                   Tiling(4, 2, 4, 7, 1, 1, slices=2, slice_sum="cluster"),
                                   Epilogue("relu", residual=True)),
+    # shapes.image_layer_blocks in miniature: a 7x7 stride-2 image layer in
+    # 16-channel blocks (20 channels: a k-block tail), one output a thread
+    "direct_image_layer_7x7_s2": (ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)),
+                                  image_layer_blocks(ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)),
+                                                     default_tiling(ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)))),
+                                  Epilogue("relu")),
     # 4 channels staged a chunk (shapes.SPLIT_DIRECT_WIDE_C_BLOCK): 10 channels
     # make a last chunk half past the channels, its staged loads masked to zero
     "direct_cluster_wide_chunk_partial": (ConvShape(10, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
