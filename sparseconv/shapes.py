@@ -853,9 +853,11 @@ def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
 # - batch 1: ResNet-50 conv1 (7x7 s2) 4.8 / 16.4 -> 5.2 / 9.7, VGG-16 conv1_1
 #   6.1 / 9.6 -> 5.9 / 7.2; k8 blocks were slower, cold, on both;
 # - batch 8: 21.3 / 32.0 -> 33.8 / 35.1 (ResNet-50), batch 64: 148.6 -> 277.8.
-# So batch 1 only.
+# So batch 1 only (IMAGE_LAYER_MAX_BATCH), whatever the image size: on small
+# images, where split_batch_limit would allow more, nothing was measured.
 IMAGE_LAYER_MAX_CHANNELS = 4
 IMAGE_LAYER_K_BLOCK, IMAGE_LAYER_THREADS = 16, 256
+IMAGE_LAYER_MAX_BATCH = 1
 
 
 def image_layer_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
@@ -964,7 +966,8 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     split = split_tiling(shape, tiling)
     if split is None:
         return [(ANY_BATCH, tiling)]
-    return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
+    up_to = IMAGE_LAYER_MAX_BATCH if split == image_layer_blocks(shape, tiling) else split_batch_limit(shape, split)
+    return [(up_to, split), (ANY_BATCH, tiling)]
 
 
 def variant_for_batch(shape: ConvShape, batch: int, tiling: Optional[Tiling] = None) -> Tiling:

@@ -255,6 +255,10 @@ def test_the_image_layer_takes_16_channel_blocks_of_256_threads_at_batch_1_only(
         t = variant_for_batch(s, 1)
         assert (t.family, t.k_block, t.thread_w, t.thread_h, t.threads, t.slices) == ("direct", 16, 1, 1, 256, 1)
         assert variant_for_batch(s, 2) == default_tiling(s) == default_direct_tiling(s)
+    # a 32x32 image (CIFAR): its blocks would leave room for more images, but only batch 1 was measured
+    small = ConvShape(3, 64, 32, 32, 3, 3, (1, 1), (1, 1))
+    (up_to, variant), _ = batch_variants(small, default_tiling(small))
+    assert up_to == 1 and variant == image_layer_blocks(small, default_tiling(small))
     image = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
     assert image_layer_blocks(image, Tiling(8, 1, 4, 32, 1, 1)) is None  # a tiling of the user's own
     assert image_layer_blocks(ConvShape(16, 64, 56, 56, 3, 3, (1, 1), (1, 1)),
