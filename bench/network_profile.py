@@ -6,19 +6,19 @@
   - routed sum: the per-layer times routing measured in isolation (each layer
     alone with L2 overwritten first, the faster of its kernel and cuDNN fp32).
 Graph replay minus kernel sum is launch gaps; kernel sum minus routed sum is
-what layers lose inside the network.
-
-The kernel sum profiles eager forwards, and an eager forward launches our
-kernels one after another (sparseconv/launch.py overlaps them only inside a
-CUDA graph). So each figure is also split over the replay itself ("in the
-graph"): the replayed forward's span from its first kernel's start to its
-last kernel's end, shared out as how far each kernel moved the latest end
-(graph_spans), plus the gaps where no kernel ran. A kernel that overlaps the
-one before counts only for what it adds, so the parts add up to the span. Per layer, the kernel time inside the
+what layers lose inside the network. Per layer, the kernel time inside the
 network (in_network_us); with --per-layer also each conv alone through both
 paths, hot (replayed back to back) and with L2 flushed before each call, and
 its code size: do layers lose in the network what they lose cold?
 (cold: L2 overwritten, then the layer's inputs read back, before each call)
+
+The kernel sum profiles eager forwards, and an eager forward launches our
+kernels one after another (sparseconv/launch.py overlaps them only inside a
+CUDA graph). So one graph replay is profiled too ("in the graph"): its span
+from the first kernel's start to the last kernel's end, shared out as how
+far each kernel moved the latest end (graph_spans, per layer in_graph_us),
+plus the gaps where no kernel ran. A kernel that overlaps the one before
+counts only for what it adds, so the parts add up to the span.
 
     python bench/network_profile.py resnet50 --batch 1 --batch 64 --out prof.json
     python bench/network_profile.py resnet50 --batch 1 --per-layer --out prof_b1.json
@@ -158,8 +158,8 @@ def profile(net: torch.nn.Module, x: torch.Tensor, repeat: int = 5) -> Dict[str,
     # Per layer: the kernels of the last forward, matched to its calls.
     per_forward = len(kernels) // repeat
     last = [(ev.name, ev.device_time) for ev in kernels[-per_forward:]] if len(kernels) % repeat == 0 else []
-    in_network = attribute_kernels(last, calls[len(calls) - len(calls) // repeat:]) if last else {}
     forward_calls = calls[len(calls) - len(calls) // repeat:]
+    in_network = attribute_kernels(last, forward_calls) if last else {}
     return {"kernels_per_forward": len(kernels) / repeat, "by_category_us": dict(by_cat),
             "kernel_sum_us": sum(by_cat.values()),
             "top_kernels_us": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]),
@@ -254,9 +254,9 @@ def main() -> None:
                       f"{'cuDNN hot':>10s} {'cold':>7s} {'code KB':>8s}")
                 for name, row in alone.items():
                     net_us = prof["in_network_us"].get(name)
-                    graph_us_ = prof.get("in_graph_us", {}).get(name)
+                    replay_share = prof.get("in_graph_us", {}).get(name)
                     print(f"   {name:28s} {'-' if net_us is None else f'{net_us:8.1f}':>8s} "
-                          f"{'-' if graph_us_ is None else f'{graph_us_:9.1f}':>9s} "
+                          f"{'-' if replay_share is None else f'{replay_share:9.1f}':>9s} "
                           f"{row['sparseconv_hot']:9.1f} {row['sparseconv_cold']:7.1f} {row['dense_hot']:10.1f} "
                           f"{row['dense_cold']:7.1f} {row['code_bytes'] / 1024:8.0f}")
     for line in result["plan"]:
