@@ -72,6 +72,9 @@ def parse_cand(shape, text: str, batch: int):
     return replace(t, **suffix_fields(suffixes))
 
 
+CAND_BASE = re.compile(r"default|direct|d\d+x\d+x\d+|\d+x\d+x\d+(x\d+)?")
+
+
 def suffix_fields(suffixes) -> dict:
     """The Tiling fields a candidate's suffixes set; ValueError for one that
     is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster or :C<c_block>."""
@@ -196,7 +199,10 @@ def main() -> None:
     chosen = args.epilogue.split(",")
     if not set(chosen) <= set(epilogues):
         ap.error(f"--epilogue: each of {chosen} must be one of {sorted(epilogues)}")
-    for c in args.cands.split(","):  # a misspelt suffix is a usage error, not a tiling that misfits a layer
+    for c in args.cands.split(","):  # a misspelt candidate is a usage error, not a tiling that misfits a layer
+        if not CAND_BASE.fullmatch(c.split(":")[0]):
+            ap.error(f"--cands {c}: {c.split(':')[0]!r} is not default, direct, d<k_block>x<outputs along W>x"
+                     f"<threads> or <k_block>x<threads>x<slices>[x<c_block>]")
         try:
             suffix_fields(c.split(":")[1:])
         except ValueError as e:

@@ -823,7 +823,27 @@ def _probe_refuses(script, layer, args, needle, tmp_path):
         + (["--out", str(out)] if "--out" not in args else []) + args
     r = _bench(script, *argv)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle), r.stderr
+    # argparse's usage and error and nothing else: refused before any build or timing
+    assert all(line.startswith(("usage:", " ")) or ": error: " in line for line in r.stderr.strip().splitlines())
     assert not out.exists()
+
+
+_CAND_FORMS = ("is not default, direct, d<k_block>x<outputs along W>x<threads> or "
+               "<k_block>x<threads>x<slices>[x<c_block>]")
+
+
+@pytest.mark.parametrize("cand, needle", [
+    ("default:Sbogus", "--cands default:Sbogus: unknown suffix :Sbogus (use :O<level>, :B<blocks per SM>, :Skernel, "
+                       ":Scluster or :C<c_block>)"),
+    ("d8x2", f"--cands d8x2: 'd8x2' {_CAND_FORMS}"),
+    ("64x256", f"--cands 64x256: '64x256' {_CAND_FORMS}"),
+])
+def test_split_probe_refuses_a_misspelt_candidate_before_any_build(cand, needle, tmp_path):
+    """bench/split_probe.py: a candidate that is not one of its forms is a
+    usage error (exit 2, one line), not a tiling skipped for one layer; the
+    good candidates before it are not built and no --out file is written."""
+    _probe_refuses("bench/split_probe.py", "resnet50:layer4.1.conv1",
+                   ["--cands", f"default:Scluster,d16x1x256,32x64x4x8,{cand}"], needle, tmp_path)
 
 
 @pytest.mark.parametrize("args, needle", [
