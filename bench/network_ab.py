@@ -45,6 +45,10 @@ Rules (each was measured this way before it landed):
   image-layer-blocks  the image layer (3-4 input channels) at batch 1 in
                     16-channel blocks of 256 threads (shapes.image_layer_blocks),
                     not its default direct tiling
+  expanding-pointwise-blocks  expanding 1x1 convs (K >= 2C, stride 1, 28x28
+                    to 56x56) at batch 1 in 16-channel blocks
+                    (shapes.expanding_pointwise_blocks), not their pointwise
+                    default or its cold split
 """
 from __future__ import annotations
 
@@ -111,14 +115,19 @@ def without_overlap_launches() -> None:
 
 
 def without_image_layer_blocks() -> None:
-    shapes.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by split_tiling
+    shapes.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
+
+
+def without_expanding_pointwise_blocks() -> None:
+    shapes.expanding_pointwise_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
 
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,
          "cluster-sum": without_cluster_sum, "wide-direct-chunks": without_wide_direct_chunks,
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
          "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches,
-         "long-table-channels": without_long_table_channels, "image-layer-blocks": without_image_layer_blocks}
+         "long-table-channels": without_long_table_channels, "image-layer-blocks": without_image_layer_blocks,
+         "expanding-pointwise-blocks": without_expanding_pointwise_blocks}
 
 
 def main() -> None:

@@ -853,11 +853,10 @@ def large_image_blocks(shape: ConvShape) -> Optional[Tiling]:
 # - batch 1: ResNet-50 conv1 (7x7 s2) 4.8 / 16.4 -> 5.2 / 9.7, VGG-16 conv1_1
 #   6.1 / 9.6 -> 5.9 / 7.2; k8 blocks were slower, cold, on both;
 # - batch 8: 21.3 / 32.0 -> 33.8 / 35.1 (ResNet-50), batch 64: 148.6 -> 277.8.
-# So batch 1 only (IMAGE_LAYER_MAX_BATCH), whatever the image size: on small
+# So batch 1 only (BATCH1_VARIANT_MAX_BATCH), whatever the image size: on small
 # images, where split_batch_limit would allow more, nothing was measured.
 IMAGE_LAYER_MAX_CHANNELS = 4
 IMAGE_LAYER_K_BLOCK, IMAGE_LAYER_THREADS = 16, 256
-IMAGE_LAYER_MAX_BATCH = 1
 
 
 def image_layer_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
@@ -869,6 +868,59 @@ def image_layer_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     return tiling_for(shape, _k_block(shape, IMAGE_LAYER_K_BLOCK), 1, 1, IMAGE_LAYER_THREADS)
 
 
+# Small-batch variant of an expanding 1x1 conv (stride 1, no groups, at least
+# EXPANDING_MIN_RATIO times as many output channels as input channels; ResNet's
+# conv3 and its first downsample) on an image of EXPANDING_MIN_PIXELS to
+# EXPANDING_MAX_PIXELS pixels, when it has the pointwise default: blocks of
+# EXPANDING_K_BLOCK output channels, not split, each the fewest threads (of
+# EXPANDING_THREADS) that keep the grid within one wave. Cold, each block
+# streams its k-block's code from DRAM; the default's 64-channel blocks (or
+# the cold split's 32) stream 2-4x as much each. Measured on the H100, batch
+# 1, cold (bench/split_probe.py --cold --weights zoo, session 26, runs as and
+# at), us, default -> this, with the residual add and ReLU:
+# - ResNet-50 layer1.0.conv3 (64 -> 256, 56x56): 11.3 / 10.9 -> 6.4 / 6.3
+#   (512 threads; 256 threads, two waves: 9.3-10.3); no epilogue 6.0 -> 4.9;
+# - layer2.0.conv3 (128 -> 512, 28x28, default: the cold split in a cluster):
+#   11.5 / 11.6 -> 7.2 / 6.7 (256 threads);
+# - layer1.0.downsample (64 -> 256, 56x56, no epilogue): 6.1 -> 4.6.
+# Hot they gained too (4.4 -> 3.6-3.8 us). Where they did not gain: the
+# strided downsamples of layer2 and layer3 (9.9 -> 9.6, 12.6 -> 14.5),
+# layer3.0.conv3 at 14x14 (9.3 -> 9.6; the table takes it anyway),
+# layer4.0.conv3 at 7x7 (14.6 -> 18.7), and the narrowing layer1.1.conv1
+# (256 -> 64: 5.9 -> 5.5-6.9), hence the ratio, stride and pixel bounds.
+# Batch 1 only, as measured (BATCH1_VARIANT_MAX_BATCH).
+EXPANDING_MIN_RATIO = 2
+EXPANDING_MIN_PIXELS, EXPANDING_MAX_PIXELS = 28 * 28, 56 * 56
+EXPANDING_K_BLOCK = 16
+EXPANDING_THREADS = (128, 256, 512)
+
+
+def expanding_pointwise_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
+    """The small-batch variant described at EXPANDING_MIN_RATIO, or None
+    where the rule does not apply to `shape` with `tiling`."""
+    pixels = shape.out_h * shape.out_w
+    if ((shape.kernel_h, shape.kernel_w) != (1, 1) or shape.stride != (1, 1) or shape.groups != 1
+            or shape.out_channels < EXPANDING_MIN_RATIO * shape.in_channels
+            or not EXPANDING_MIN_PIXELS <= pixels <= EXPANDING_MAX_PIXELS
+            or tiling != default_pointwise_tiling(shape)):
+        return None
+    for threads in EXPANDING_THREADS:
+        blocks = pointwise_tiling(shape, EXPANDING_K_BLOCK, 1, threads)
+        if math.prod(launch_grid(shape, blocks, 1)) <= ONE_WAVE:
+            return blocks
+    return None
+
+
+# The variants above measured at batch 1 only serve no larger batch.
+BATCH1_VARIANT_MAX_BATCH = 1
+
+
+def batch1_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
+    """The batch-1 variant of `shape` with `tiling` (image_layer_blocks or
+    expanding_pointwise_blocks; at most one applies), or None."""
+    return image_layer_blocks(shape, tiling) or expanding_pointwise_blocks(shape, tiling)
+
+
 def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     """The variant of `tiling` for small batches with the input-channel
     reduction split over blocks, or None where one image already fills the
@@ -878,7 +930,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     whole_image_split's or large_image_blocks' class takes that (checked
     first; a direct `tiling` keeps the direct split, for comparisons; the
     latter's variant is not split, only smaller blocks), and so does an image
-    layer's default direct tiling (image_layer_blocks, not split either). Pointwise-family
+    layer's default direct tiling (image_layer_blocks, not split either), and
+    an expanding 1x1 conv's pointwise default (expanding_pointwise_blocks,
+    likewise). Pointwise-family
     convs with images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear
     layers, whose image is one pixel): cold_pointwise_split. Otherwise slices: the
     largest power of two that keeps blocks within two waves and each slice at
@@ -889,9 +943,9 @@ def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     whole = (whole_image_split(shape) or large_image_blocks(shape)) if tiling.family == "pointwise" else None
     if whole is not None:
         return whole
-    image_layer = image_layer_blocks(shape, tiling)
-    if image_layer is not None:
-        return image_layer
+    smaller = batch1_blocks(shape, tiling)
+    if smaller is not None:
+        return smaller
     if (tiling.family == "pointwise" and (shape.kernel_h, shape.kernel_w) != (1, 1)
             and shape.out_h * shape.out_w > SMALL_BATCH_POINTWISE_OUTPUT):
         tiling = default_direct_tiling(shape)  # measured faster split (SMALL_BATCH_POINTWISE_OUTPUT)
@@ -966,7 +1020,7 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     split = split_tiling(shape, tiling)
     if split is None:
         return [(ANY_BATCH, tiling)]
-    up_to = IMAGE_LAYER_MAX_BATCH if split == image_layer_blocks(shape, tiling) else split_batch_limit(shape, split)
+    up_to = BATCH1_VARIANT_MAX_BATCH if split == batch1_blocks(shape, tiling) else split_batch_limit(shape, split)
     return [(up_to, split), (ANY_BATCH, tiling)]
 
 

@@ -240,8 +240,8 @@ def test_batch_variants_end_with_one_for_any_batch():
         if len(variants) == 2:
             up_to, split = variants[0]
             assert 1 <= up_to <= MAX_SPLIT_BATCH
-            if split == shapes.image_layer_blocks(shape, default_tiling(shape)):  # smaller blocks at batch 1
-                assert up_to == 1 and shape.in_channels <= 4
+            if split == shapes.batch1_blocks(shape, default_tiling(shape)):  # smaller blocks at batch 1
+                assert up_to == 1 and split.slices == 1
                 continue
             assert split.slices > 1 or split == large_image_blocks(shape)  # smaller blocks, not split
             assert blocks_per_image(shape, split) / split.slices < ONE_WAVE
@@ -265,6 +265,33 @@ def test_the_image_layer_takes_16_channel_blocks_of_256_threads_at_batch_1_only(
                               default_tiling(ConvShape(16, 64, 56, 56, 3, 3, (1, 1), (1, 1)))) is None
     grouped = ConvShape(4, 8, 32, 32, 3, 3, (1, 1), (1, 1), groups=2)
     assert image_layer_blocks(grouped, default_tiling(grouped)) is None
+
+
+def test_expanding_1x1_convs_take_16_channel_blocks_in_one_wave_at_batch_1_only():
+    from sparseconv.shapes import default_pointwise_tiling, expanding_pointwise_blocks, variant_for_batch
+
+    r50 = dict(resnet50())
+    # layer1's conv3 and first downsample (64 -> 256, 56x56): 512 threads, 7 x 16 blocks;
+    # layer2's conv3 (128 -> 512, 28x28): 256 threads, 4 x 32 (512 would leave half the SMs idle)
+    for name, threads, grid in (("layer1.0.conv3", 512, (7, 16, 1)), ("layer1.0.downsample", 512, (7, 16, 1)),
+                                ("layer2.1.conv3", 256, (4, 32, 1))):
+        s = r50[name]
+        t = variant_for_batch(s, 1)
+        assert (t.family, t.k_block, t.threads, t.slices, t.ptxas_level) == ("pointwise", 16, threads, 1, 3), name
+        assert launch_grid(s, t, 1) == grid and math.prod(grid) <= ONE_WAVE
+        assert variant_for_batch(s, 2) == default_tiling(s)
+    # measured no faster: strided, narrowing, and on 14x14 or smaller images
+    for name in ("layer2.0.downsample", "layer1.1.conv1", "layer3.0.conv3", "layer4.0.conv3"):
+        s = r50[name]
+        assert expanding_pointwise_blocks(s, default_tiling(s)) is None, name
+    s = r50["layer1.0.conv3"]
+    assert expanding_pointwise_blocks(s, pointwise_tiling(s, 32, 1, 256)) is None  # a tiling of the user's own
+    grouped = ConvShape(64, 256, 56, 56, 1, 1, groups=2)
+    assert expanding_pointwise_blocks(grouped, default_pointwise_tiling(grouped)) is None
+    big = ConvShape(64, 256, 112, 112, 1, 1)  # past the images measured
+    assert expanding_pointwise_blocks(big, default_pointwise_tiling(big)) is None
+    wide = ConvShape(128, 1024, 56, 56, 1, 1)  # 64 k-blocks: no block size keeps one wave
+    assert expanding_pointwise_blocks(wide, default_pointwise_tiling(wide)) is None
 
 
 def test_epilogue_records_and_their_code():
@@ -334,7 +361,7 @@ def test_slices_summed_in_a_cluster_where_measured_faster():
     def split(shape):
         return variant_for_batch(shape, 1)
 
-    for name in ("layer4.1.conv1", "layer4.1.conv2", "layer4.0.downsample", "layer2.1.conv3"):
+    for name in ("layer4.1.conv1", "layer4.1.conv2", "layer4.0.downsample", "layer2.0.downsample"):
         t = split(r50[name])
         assert t.slice_sum == "cluster", name
         assert t.family == "pointwise" and (t.slices == 2 or register_resident_blocks(t) >= 2)

@@ -182,7 +182,8 @@ def test_call_time_checks(session_cache_dir):
 
 FAMILY_LAYERS = {
     # name: ConvShape args (C, K, H, W, R, S, stride, padding): real-network classes
-    "pointwise_56": (64, 256, 56, 56, 1, 1, (1, 1), (0, 0)),          # ResNet layer1 1x1
+    # ResNet layer1 1x1; at batch 1 16-channel blocks of 512 threads (shapes.expanding_pointwise_blocks)
+    "pointwise_56": (64, 256, 56, 56, 1, 1, (1, 1), (0, 0)),
     "pointwise_downsample_s2": (512, 1024, 28, 28, 1, 1, (2, 2), (0, 0)),
     "pointwise_deep_7x7": (2048, 512, 7, 7, 1, 1, (1, 1), (0, 0)),    # split variant at small batch
     "pointwise_grouped_13x13": (1024, 256, 13, 13, 1, 1, (1, 1), (0, 0)),  # batch 33: L2 groups, one extra block
@@ -241,6 +242,11 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
 
         assert conv.variant(1)[1].tiling == image_layer_blocks(s, default_tiling(s))
         assert conv.variant(2)[1].tiling == default_tiling(s)
+    if name == "pointwise_56":
+        from sparseconv.shapes import default_tiling, expanding_pointwise_blocks
+
+        assert conv.variant(1)[1].tiling == expanding_pointwise_blocks(s, default_tiling(s))
+        assert conv.variant(1)[1].tiling.threads == 512 and conv.variant(2)[1].tiling == default_tiling(s)
     if name.endswith("large_image"):
         from sparseconv.shapes import large_image_blocks
 

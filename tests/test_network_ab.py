@@ -125,3 +125,10 @@ def test_the_image_layer_switch_leaves_the_stem_its_default_tiling_at_batch_1():
             "s = dict(resnet50())['conv1']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
     assert printed(code) == "False"
     assert printed(code, "image-layer-blocks") == "True"
+
+
+def test_the_expanding_switch_leaves_layer1_conv3_its_default_tiling_at_batch_1():
+    code = ("from sparseconv.shapes import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
+            "s = dict(resnet50())['layer1.0.conv3']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
+    assert printed(code) == "False"
+    assert printed(code, "expanding-pointwise-blocks") == "True"
