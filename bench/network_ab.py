@@ -49,6 +49,9 @@ Rules (each was measured this way before it landed):
                     to 56x56) at batch 1 in 16-channel blocks
                     (shapes.expanding_pointwise_blocks), not their pointwise
                     default or its cold split
+  staged-table-entries  the table kernel's entries staged in shared memory
+                    before it waits on the kernel before (table.STAGE_ENTRIES),
+                    not read by each warp from global memory
 """
 from __future__ import annotations
 
@@ -118,6 +121,12 @@ def without_image_layer_blocks() -> None:
     shapes.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
 
+def without_staged_table_entries() -> None:
+    import sparseconv.table as table
+
+    table.STAGE_ENTRIES = False  # read by table_tiling at each call
+
+
 def without_expanding_pointwise_blocks() -> None:
     shapes.expanding_pointwise_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
@@ -127,7 +136,8 @@ RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_d
          "whole-image-split": without_whole_image_split, "large-image-blocks": without_large_image_blocks,
          "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches,
          "long-table-channels": without_long_table_channels, "image-layer-blocks": without_image_layer_blocks,
-         "expanding-pointwise-blocks": without_expanding_pointwise_blocks}
+         "expanding-pointwise-blocks": without_expanding_pointwise_blocks,
+         "staged-table-entries": without_staged_table_entries}
 
 
 def main() -> None:

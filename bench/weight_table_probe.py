@@ -15,6 +15,8 @@ is in git history, commit fdd0ee1.)
 A candidate JjxWw sets J (pixels a lane; a block covers 32*J pixels of one
 image and one output channel) and WS (warps a block); "rule" is
 table.table_tiling's choice, as TableConv2d makes it for the layer's nonzeros.
+A suffix "s" (J2xW8s, rule-s) stages the entries in shared memory
+(TableTiling.staged_entries); "-u" (rule-u) does not.
 
 --floor also times the rule's tiling on an all-zero weight: an empty table,
 so the launch, the tap masks, the warps' sum and the store and nothing else.
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Tuple
 
@@ -51,15 +55,14 @@ def main() -> None:
     # every argument checked before anything is built or touches a GPU
     cands: List[Tuple[str, object]] = []
     for c in args.cands.split(","):
-        if c == "rule":
-            cands.append((c, None))
+        if c in ("rule", "rule-s", "rule-u"):
+            cands.append((c, None if c == "rule" else c == "rule-s"))
             continue
-        parts = c.split("x")
-        if len(parts) != 2 or not (parts[0][:1] == "J" and parts[0][1:].isdigit()
-                                   and parts[1][:1] == "W" and parts[1][1:].isdigit()):
-            ap.error(f"--cands: {c!r} is not JjxWw (e.g. J2xW4) or rule")
+        m = re.fullmatch(r"J(\d+)xW(\d+)(s?)", c)
+        if not m:
+            ap.error(f"--cands: {c!r} is not JjxWw[s] (e.g. J2xW4, J2xW4s), rule, rule-s or rule-u")
         try:
-            cands.append((c, TableTiling(int(parts[0][1:]), int(parts[1][1:]))))
+            cands.append((c, TableTiling(int(m[1]), int(m[2]), staged_entries=bool(m[3]))))
         except ValueError as e:
             ap.error(f"--cands {c}: {e}")
     for lname in args.layers.split(","):
@@ -103,10 +106,13 @@ def main() -> None:
         print(f"{lname:26s} sparseconv {row['sparseconv']['tiling']:60s} hot {row['sparseconv']['hot_us']:6.1f} "
               f"cold {row['sparseconv']['cold_us']:6.1f} us  rel L2 {row['sparseconv']['rel_l2']:.1e}", flush=True)
         nnz = int(np.count_nonzero(w))
-        runs = [(label, tiling or table_tiling(shape, n, nnz), w, ref) for label, tiling in cands]
+        rule = table_tiling(shape, n, nnz)
+        runs = [(label, tiling if isinstance(tiling, TableTiling)
+                 else rule if tiling is None else replace(rule, staged_entries=tiling), w, ref)
+                for label, tiling in cands]
         if args.floor:  # an empty table: the output is relu(bias) everywhere
             floor_ref = np.broadcast_to(np.maximum(bias, 0)[None, :, None, None], ref.shape)
-            runs.append(("floor", table_tiling(shape, n, nnz), np.zeros_like(w), floor_ref))
+            runs.append(("floor", rule, np.zeros_like(w), floor_ref))
         for label, tiling, weight, want in runs:
             table = TableConv2d(weight, bias, shape, Epilogue("relu"), tiling, name=lname)
             out2 = cupy.full(out.shape, np.nan, cupy.float32)

@@ -28,7 +28,7 @@ at the store, as in the other families.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -63,15 +63,28 @@ FEW_BLOCKS = 1024
 VERY_FEW_BLOCKS = 512
 LONG_SHARE = 64
 VERY_LONG_CHANNEL = 256
+# The rule stages a block's entries in shared memory (TableTiling.staged_entries)
+# wherever they fit (TableConv2d). Measured on the H100, batch 1
+# (bench/weight_table_probe.py --cands rule-u,rule-s,rule-u,rule-s, session 26,
+# run aw), us cold / hot, unstaged -> staged: ResNet-50 layer4.1.conv2 10.3 /
+# 10.2 -> 9.2 / 7.3, layer3.1.conv2 11.5 / 10.5 -> 10.9 / 8.0, layer2.1.conv1
+# 6.0 / 5.4 -> 5.3 / 4.5, VGG-16 conv5_2 27.4 / 26.0 -> 26.1 / 23.3; of eleven
+# layers, cold 0.2-1.3 faster on nine, even on layer4.0.conv2, 0.4 slower on
+# layer2.1.conv2 (hot 2.3 faster); hot 1.0-2.9 faster on ten.
+STAGE_ENTRIES = True
 
 
 @dataclass(frozen=True)
 class TableTiling:
     """pixels_per_lane (J): a block covers 32 * J pixels of one output channel;
-    warps (WS): the warps of a block, which split each tap's entries."""
+    warps (WS): the warps of a block, which split each tap's entries;
+    staged_entries: the block copies its channel's entries into shared
+    memory before it waits on the kernel before (the weights are not that
+    kernel's output), and its warps read them there."""
 
     pixels_per_lane: int = 2
     warps: int = 4
+    staged_entries: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.pixels_per_lane <= 16:
@@ -80,7 +93,17 @@ class TableTiling:
             raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {self.warps}")
 
     def describe(self) -> str:
-        return f"weight table, {self.pixels_per_lane} pixels/lane, {self.warps} warps"
+        staged = ", entries staged in shared memory" if self.staged_entries else ""
+        return f"weight table, {self.pixels_per_lane} pixels/lane, {self.warps} warps{staged}"
+
+    def shared_bytes(self, longest_channel: int) -> int:
+        """Shared memory a block takes: the warps' partial sums (static), and
+        the staged entries of a channel of `longest_channel` entries (dynamic)."""
+        return 4 * self.warps * 32 * self.pixels_per_lane + (8 * longest_channel if self.staged_entries else 0)
+
+
+# Shared memory a block may take without opting in (cudaFuncSetAttribute).
+MAX_SHARED_BYTES = 48 * 1024
 
 
 def table_supported(shape: ConvShape) -> Optional[str]:
@@ -100,16 +123,17 @@ def table_tiling(shape: ConvShape, batch: int = 1, nonzeros: Optional[int] = Non
     16 warps on very long channels of images of 128+ pixels; else 2 pixels a
     lane, and 16 warps a block where the grid is very small, 8 where 4 would
     each walk more than LONG_SHARE of a channel's entries or the grid is
-    small, else 4. nonzeros: the layer's nonzero weights (None: 10%)."""
+    small, else 4. Entries staged in shared memory (STAGE_ENTRIES).
+    nonzeros: the layer's nonzero weights (None: 10%)."""
     if nonzeros is None:
         nonzeros = shape.out_channels * shape.in_channels * shape.kernel_h * shape.kernel_w // 10
     blocks = -(-shape.out_h * shape.out_w // 64) * shape.out_channels * batch
     long_share = nonzeros / shape.out_channels / 4 > LONG_SHARE
     if nonzeros / shape.out_channels > VERY_LONG_CHANNEL and shape.out_h * shape.out_w >= 128:
-        return TableTiling(4, 16)
+        return TableTiling(4, 16, STAGE_ENTRIES)
     if blocks <= VERY_FEW_BLOCKS:
-        return TableTiling(2, 16)
-    return TableTiling(2, 8 if long_share or blocks <= FEW_BLOCKS else 4)
+        return TableTiling(2, 16, STAGE_ENTRIES)
+    return TableTiling(2, 8 if long_share or blocks <= FEW_BLOCKS else 4, STAGE_ENTRIES)
 
 
 def weight_table(weight: np.ndarray, shape: ConvShape) -> Tuple[np.ndarray, np.ndarray]:
@@ -170,13 +194,25 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     // This warp's share of output channel k's entries, in one flat loop: the
     // entry loads do not wait on the taps before them.
     const int b = starts[k], len = starts[k + 1] - b;
-    const int lo = b + (len * w) / WS, hi = b + (len * (w + 1)) / WS;
+    const int lo = (len * w) / WS, hi = (len * (w + 1)) / WS;
+#if STAGE_ENTRIES
+    // The channel's entries, copied by the whole block at once (dynamic shared
+    // memory: TableTiling.shared_bytes), before the wait: cold, their DRAM
+    // round trip overlaps the kernel before, and the loop below reads them at
+    // shared-memory latency instead of waiting on each warp's chain of loads.
+    extern __shared__ int2 staged[];
+    for (int i = threadIdx.x; i < len; i += 32 * WS) staged[i] = __ldg(entries + b + i);
+    __syncthreads();
+#define SC_ENTRY(i) staged[i]
+#else
+#define SC_ENTRY(i) __ldg(entries + b + (i))
+#endif
     // Only the table and the masks above; the input is the kernel before's output (sparseconv/launch.py).
     SC_WAIT_FOR_PREVIOUS_KERNEL();
     SC_LET_NEXT_KERNEL_START();
 #pragma unroll 4
     for (int i = lo; i < hi; ++i) {
-        const int2 e = __ldg(entries + i);  // one address for the whole warp
+        const int2 e = SC_ENTRY(i);  // one address for the whole warp
         const float v = __int_as_float(e.y);
         const unsigned byte = (unsigned)e.x >> TAP_BITS;  // unsigned: one 64-bit add to the pointer
         const unsigned tap = (unsigned)e.x & (MAX_TAPS - 1);
@@ -229,7 +265,8 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
     consts = dict(C=shape.in_channels, H=shape.in_h, W=shape.in_w, K=shape.out_channels, OH=shape.out_h,
                   OW=shape.out_w, KH=shape.kernel_h, KW=shape.kernel_w, SH=shape.stride[0], SW=shape.stride[1],
                   PH=shape.padding[0], PW=shape.padding[1], DH=shape.dilation[0], DW=shape.dilation[1],
-                  J=tiling.pixels_per_lane, WS=tiling.warps, HAS_RESIDUAL=int(epilogue.residual),
+                  J=tiling.pixels_per_lane, WS=tiling.warps, STAGE_ENTRIES=int(tiling.staged_entries),
+                  HAS_RESIDUAL=int(epilogue.residual),
                   TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS, UNPADDED=int(shape.padding == (0, 0)),
                   MASK_T="unsigned" if shape.kernel_h * shape.kernel_w <= 32 else "unsigned long long")
     lo, hi = epilogue.bounds
@@ -266,6 +303,10 @@ class TableConv2d:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         self.tiling = tiling or table_tiling(shape, 1, len(entries))
+        self._longest_channel = int(np.diff(starts).max()) if shape.out_channels else 0
+        if self.tiling.shared_bytes(self._longest_channel) > MAX_SHARED_BYTES:  # too long a channel to stage
+            self.tiling = replace(self.tiling, staged_entries=False)
+        self._shared_bytes = self.tiling.shared_bytes(self._longest_channel) - self.tiling.shared_bytes(0)
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
         self.contract = CallContract(name, shape, epilogue.residual, self.device_id)
@@ -295,7 +336,7 @@ class TableConv2d:
         with self.contract.stream(stream):
             launch(self._fn, table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
                    (x, self._entries, self._starts, self._bias,
-                    residual if residual is not None else np.uint64(0), out))
+                    residual if residual is not None else np.uint64(0), out), shared_mem=self._shared_bytes)
         return out
 
     def __repr__(self) -> str:

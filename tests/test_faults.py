@@ -800,7 +800,8 @@ def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--cands", "J2W4"], "--cands: 'J2W4' is not JjxWw (e.g. J2xW4) or rule"),
+    (["--cands", "J2W4"], "--cands: 'J2W4' is not JjxWw[s] (e.g. J2xW4, J2xW4s), rule, rule-s or rule-u"),
+    (["--cands", "J2xW4t"], "--cands: 'J2xW4t' is not JjxWw[s] (e.g. J2xW4, J2xW4s), rule, rule-s or rule-u"),
     (["--cands", "J0xW4"], "--cands J0xW4: pixels_per_lane must be 1..16, got 0"),
     (["--cands", "J2xW3"], "--cands J2xW3: warps must be 1, 2, 4, 8 or 16, got 3"),
     (["--layers", "resnet50:layer9.conv1"], "--layers: 'resnet50:layer9.conv1' is not <resnet50|vgg16>:<layer>, "
@@ -860,7 +861,7 @@ def test_code_prefetch_probe_refuses_bad_arguments_before_any_work(args, needle,
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split, large-image-blocks, gemv, table, overlap-launches, long-table-channels, "
-     "image-layer-blocks, expanding-pointwise-blocks"),
+     "image-layer-blocks, expanding-pointwise-blocks, staged-table-entries"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])

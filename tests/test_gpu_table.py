@@ -1,6 +1,8 @@
 """GPU: the weight-table family (sparseconv.table) against float64 on fresh
 random inputs, run to run identical, refusing bad input; and sparsify's
 routing through it (every conv forced onto the table, and table=False)."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -33,10 +35,11 @@ def _reference(x, w, bias, shape, epilogue, res):
 
 @pytest.mark.parametrize("name", list(LAYERS))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_table_conv_matches_float64(name, batch):
+@pytest.mark.parametrize("staged", [False, True], ids=["entries-in-global", "entries-staged"])
+def test_table_conv_matches_float64(name, batch, staged):
     import cupy as cp
 
-    from sparseconv.table import TableConv2d
+    from sparseconv.table import TableConv2d, table_tiling
 
     shape, epilogue = LAYERS[name]
     rng = np.random.default_rng()
@@ -45,12 +48,31 @@ def test_table_conv_matches_float64(name, batch):
     x = rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
     res = rng.standard_normal((batch, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
         if epilogue.residual else None
-    k = TableConv2d(w, bias, shape, epilogue, name=name)
+    tiling = replace(table_tiling(shape, 1, int(np.count_nonzero(w))), staged_entries=staged)
+    k = TableConv2d(w, bias, shape, epilogue, tiling, name=name)
+    assert k.tiling.staged_entries == staged
     kwargs = {} if res is None else {"residual": cp.asarray(res)}
     y1 = k(cp.asarray(x), **kwargs).get()
     y2 = k(cp.asarray(x), **kwargs).get()
     assert np.array_equal(y1, y2)  # a fixed summation order
     assert relative_l2(y1, _reference(x, w, bias, shape, epilogue, res)) <= 1e-5
+
+
+def test_a_channel_too_long_to_stage_reads_its_entries_from_global_memory():
+    import cupy as cp
+
+    from sparseconv.table import MAX_SHARED_BYTES, TableConv2d, TableTiling
+
+    shape = ConvShape(1024, 4, 5, 5, 3, 3, padding=(1, 1))  # ~6,500 entries a channel: 52 KB
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, shape.weight_shape, 0.3)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    k = TableConv2d(w, bias, shape, Epilogue(), TableTiling(1, 4, staged_entries=True), name="long")
+    assert TableTiling(1, 4, True).shared_bytes(int(np.count_nonzero(w[0]))) > MAX_SHARED_BYTES
+    assert not k.tiling.staged_entries
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    y = k(cp.asarray(x)).get()
+    assert relative_l2(y, _reference(x, w, bias, shape, Epilogue(), None)) <= 1e-5
 
 
 def test_table_conv_refuses_bad_input():

@@ -132,3 +132,10 @@ def test_the_expanding_switch_leaves_layer1_conv3_its_default_tiling_at_batch_1(
             "s = dict(resnet50())['layer1.0.conv3']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
     assert printed(code) == "False"
     assert printed(code, "expanding-pointwise-blocks") == "True"
+
+
+def test_the_staged_entries_switch_leaves_the_table_reading_global_memory():
+    code = ("from sparseconv.table import table_tiling\nfrom sparseconv.zoo import resnet50\n"
+            "print(table_tiling(dict(resnet50())['layer4.1.conv2']).staged_entries)")
+    assert printed(code) == "True"
+    assert printed(code, "staged-table-entries") == "False"

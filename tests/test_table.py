@@ -72,8 +72,11 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
         entries = np.zeros((1, 2), np.int32)
     out = np.full((x.shape[0], shape.out_channels, shape.out_h, shape.out_w), 12345.0, np.float32)
     ptx = compile_to_ptx(table_source(shape, tiling, epilogue), Target(), "the table kernel")
+    # the staged entries' shared memory exactly as TableConv2d sizes it: the interpreter faults past it
+    staged = tiling.shared_bytes(int(np.diff(starts).max())) - tiling.shared_bytes(0)
     run_kernel(ptx, "sc_table_conv", grid=table_grid(shape, tiling, x.shape[0]), block=(32 * tiling.warps, 1, 1),
-               args=[x, entries, starts, bias, residual if residual is not None else np.zeros(1, np.float32), out])
+               args=[x, entries, starts, bias, residual if residual is not None else np.zeros(1, np.float32), out],
+               dynamic_shared_bytes=staged)
     return out
 
 
@@ -86,6 +89,10 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
     ("5x3-stride2-pad", TableTiling(2, 8), 2),
     ("7x7-stride2-stem", TableTiling(1, 4), 1),  # 49 taps: the 64-bit mask
     ("3x3-unpadded", TableTiling(1, 2), 2),
+    # the entries staged in shared memory before the wait (TableTiling.staged_entries)
+    ("3x3-pad1", TableTiling(2, 4, staged_entries=True), 2),
+    ("7x7-stride2-stem", TableTiling(1, 2, staged_entries=True), 1),
+    ("1x1-stride2", TableTiling(2, 16, staged_entries=True), 1),
 ])
 def test_the_kernel_computes_the_conv(name, tiling, batch):
     shape = SHAPES[name]
@@ -145,21 +152,24 @@ def test_table_source_refuses_what_the_family_does_not_take():
 
 
 def test_the_tiling_rule_gives_long_channels_and_small_grids_more_warps():
+    """table_tiling: more warps on long channels and small grids, and the
+    entries staged in shared memory (STAGE_ENTRIES) in every case."""
     layer4_conv1 = ConvShape(2048, 512, 7, 7, 1, 1)                  # 512 blocks at batch 1
     downsample = ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2))  # 2,048 blocks, 102 entries a channel
     vgg_conv5 = ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1))    # 2,048 blocks, 461 entries a channel
     assert table_grid(layer4_conv1, TableTiling(2, 8), 1) == (1, 512, 1)
-    assert table_tiling(layer4_conv1) == TableTiling(2, 16)  # <= VERY_FEW_BLOCKS
-    assert table_tiling(layer4_conv1, batch=2) == TableTiling(2, 8)  # 1,024 blocks
-    assert table_tiling(downsample) == TableTiling(2, 4)
-    assert table_tiling(vgg_conv5) == TableTiling(4, 16)  # > VERY_LONG_CHANNEL entries a channel, 196 pixels
-    assert table_tiling(vgg_conv5, nonzeros=512 * VERY_LONG_CHANNEL) == TableTiling(2, 4)  # not more: shares of 64
-    assert table_tiling(vgg_conv5, nonzeros=512 * 4 * LONG_SHARE) == TableTiling(2, 4)  # sparser: short shares
+    assert table_tiling(layer4_conv1) == TableTiling(2, 16, True)  # <= VERY_FEW_BLOCKS
+    assert table_tiling(layer4_conv1, batch=2) == TableTiling(2, 8, True)  # 1,024 blocks
+    assert table_tiling(downsample) == TableTiling(2, 4, True)
+    assert table_tiling(vgg_conv5) == TableTiling(4, 16, True)  # > VERY_LONG_CHANNEL entries a channel, 196 pixels
+    # not more: shares of 64
+    assert table_tiling(vgg_conv5, nonzeros=512 * VERY_LONG_CHANNEL) == TableTiling(2, 4, True)
+    assert table_tiling(vgg_conv5, nonzeros=512 * 4 * LONG_SHARE) == TableTiling(2, 4, True)  # sparser: short shares
     # as long a channel on 7x7 (ResNet-50 layer4.x.conv2): 49 pixels would fill 49 of a 128-pixel block
-    assert table_tiling(ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1))) == TableTiling(2, 16)
+    assert table_tiling(ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1))) == TableTiling(2, 16, True)
     # ResNet-50 layer3.x.conv2: 230 entries a channel
-    assert table_tiling(ConvShape(256, 256, 14, 14, 3, 3, padding=(1, 1))) == TableTiling(2, 8)
-    assert table_tiling(layer4_conv1, batch=4) == TableTiling(2, 4)  # 2,048 blocks of 51-entry shares
+    assert table_tiling(ConvShape(256, 256, 14, 14, 3, 3, padding=(1, 1))) == TableTiling(2, 8, True)
+    assert table_tiling(layer4_conv1, batch=4) == TableTiling(2, 4, True)  # 2,048 blocks of 51-entry shares
     assert VERY_FEW_BLOCKS < FEW_BLOCKS < 2048
 
 
