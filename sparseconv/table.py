@@ -18,9 +18,11 @@ receptive field, with its tap; its value), sorted by (output channel, input
 channel, tap); zero weights have no entry. The kernel is compiled per layer
 shape and epilogue (NVRTC, cached by CuPy), never per weight set.
 
-Each block computes 32 * J pixels of one output channel of one image. Its
-WS warps split the channel's entries; a warp loads an entry once (one
-address for all lanes) and applies it to J pixels a lane, each lane testing
+Each block computes 32 * J pixels of one output channel of one image. It
+first copies the channel's entries into shared memory, before it waits on
+the kernel before (TableTiling.staged_entries; the weights are not that
+kernel's output). Its WS warps split the entries; a warp reads an entry
+once (one address for all lanes) and applies it to J pixels a lane, each lane testing
 the entry's tap against a bit mask of its pixels' taps inside the image. The warps' partial sums
 are added in warp order in shared memory: a fixed summation order, so
 results are the same run to run. Bias, residual and the clamp are applied
@@ -96,10 +98,15 @@ class TableTiling:
         staged = ", entries staged in shared memory" if self.staged_entries else ""
         return f"weight table, {self.pixels_per_lane} pixels/lane, {self.warps} warps{staged}"
 
+    def staged_bytes(self, longest_channel: int) -> int:
+        """The dynamic shared memory a block is launched with: its channel's
+        entries, 8 bytes each, where they are staged (0 where not)."""
+        return 8 * longest_channel if self.staged_entries else 0
+
     def shared_bytes(self, longest_channel: int) -> int:
-        """Shared memory a block takes: the warps' partial sums (static), and
-        the staged entries of a channel of `longest_channel` entries (dynamic)."""
-        return 4 * self.warps * 32 * self.pixels_per_lane + (8 * longest_channel if self.staged_entries else 0)
+        """All the shared memory a block takes: the warps' partial sums
+        (static) and staged_bytes."""
+        return 4 * self.warps * 32 * self.pixels_per_lane + self.staged_bytes(longest_channel)
 
 
 # Shared memory a block may take without opting in (cudaFuncSetAttribute).
@@ -197,7 +204,7 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     const int lo = (len * w) / WS, hi = (len * (w + 1)) / WS;
 #if STAGE_ENTRIES
     // The channel's entries, copied by the whole block at once (dynamic shared
-    // memory: TableTiling.shared_bytes), before the wait: cold, their DRAM
+    // memory: TableTiling.staged_bytes), before the wait: cold, their DRAM
     // round trip overlaps the kernel before, and the loop below reads them at
     // shared-memory latency instead of waiting on each warp's chain of loads.
     extern __shared__ int2 staged[];
@@ -306,7 +313,7 @@ class TableConv2d:
         self._longest_channel = int(np.diff(starts).max()) if shape.out_channels else 0
         if self.tiling.shared_bytes(self._longest_channel) > MAX_SHARED_BYTES:  # too long a channel to stage
             self.tiling = replace(self.tiling, staged_entries=False)
-        self._shared_bytes = self.tiling.shared_bytes(self._longest_channel) - self.tiling.shared_bytes(0)
+        self._staged_bytes = self.tiling.staged_bytes(self._longest_channel)
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
         self.contract = CallContract(name, shape, epilogue.residual, self.device_id)
@@ -336,7 +343,7 @@ class TableConv2d:
         with self.contract.stream(stream):
             launch(self._fn, table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
                    (x, self._entries, self._starts, self._bias,
-                    residual if residual is not None else np.uint64(0), out), shared_mem=self._shared_bytes)
+                    residual if residual is not None else np.uint64(0), out), shared_mem=self._staged_bytes)
         return out
 
     def __repr__(self) -> str:

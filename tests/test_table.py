@@ -73,7 +73,7 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
     out = np.full((x.shape[0], shape.out_channels, shape.out_h, shape.out_w), 12345.0, np.float32)
     ptx = compile_to_ptx(table_source(shape, tiling, epilogue), Target(), "the table kernel")
     # the staged entries' shared memory exactly as TableConv2d sizes it: the interpreter faults past it
-    staged = tiling.shared_bytes(int(np.diff(starts).max())) - tiling.shared_bytes(0)
+    staged = tiling.staged_bytes(int(np.diff(starts).max()))
     run_kernel(ptx, "sc_table_conv", grid=table_grid(shape, tiling, x.shape[0]), block=(32 * tiling.warps, 1, 1),
                args=[x, entries, starts, bias, residual if residual is not None else np.zeros(1, np.float32), out],
                dynamic_shared_bytes=staged)
