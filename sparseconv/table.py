@@ -113,6 +113,16 @@ class TableTiling:
 MAX_SHARED_BYTES = 48 * 1024
 
 
+def fitting_tiling(tiling: TableTiling, longest_channel: int) -> TableTiling:
+    """`tiling` as a layer whose longest output channel has `longest_channel`
+    entries can run it: unstaged where its staged entries and the warps' sums
+    would pass MAX_SHARED_BYTES (the warps then read the entries from global
+    memory)."""
+    if tiling.shared_bytes(longest_channel) > MAX_SHARED_BYTES:
+        return replace(tiling, staged_entries=False)
+    return tiling
+
+
 def table_supported(shape: ConvShape) -> Optional[str]:
     """None if the table family takes this layer, else why not."""
     if shape.groups != 1:
@@ -309,11 +319,9 @@ class TableConv2d:
             entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        self.tiling = tiling or table_tiling(shape, 1, len(entries))
-        self._longest_channel = int(np.diff(starts).max()) if shape.out_channels else 0
-        if self.tiling.shared_bytes(self._longest_channel) > MAX_SHARED_BYTES:  # too long a channel to stage
-            self.tiling = replace(self.tiling, staged_entries=False)
-        self._staged_bytes = self.tiling.staged_bytes(self._longest_channel)
+        longest_channel = int(np.diff(starts).max())
+        self.tiling = fitting_tiling(tiling or table_tiling(shape, 1, len(entries)), longest_channel)
+        self._staged_bytes = self.tiling.staged_bytes(longest_channel)
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
         self.contract = CallContract(name, shape, epilogue.residual, self.device_id)

@@ -173,6 +173,19 @@ def test_the_tiling_rule_gives_long_channels_and_small_grids_more_warps():
     assert VERY_FEW_BLOCKS < FEW_BLOCKS < 2048
 
 
+def test_a_channel_stages_its_entries_only_where_they_fit_in_shared_memory():
+    from sparseconv.table import MAX_SHARED_BYTES, fitting_tiling
+
+    staged = TableTiling(2, 8, staged_entries=True)
+    assert staged.staged_bytes(230) == 8 * 230 and TableTiling(2, 8).staged_bytes(230) == 0
+    assert staged.shared_bytes(230) == 4 * 8 * 64 + 8 * 230  # the warps' sums, then the entries
+    assert fitting_tiling(staged, 230) == staged
+    longest = (MAX_SHARED_BYTES - staged.shared_bytes(0)) // 8  # the longest channel that fits
+    assert fitting_tiling(staged, longest) == staged
+    assert fitting_tiling(staged, longest + 1) == TableTiling(2, 8, staged_entries=False)
+    assert fitting_tiling(TableTiling(2, 8), 10 ** 6) == TableTiling(2, 8)
+
+
 def test_routing_takes_the_table_where_it_is_fastest():
     times = {1: (25.0, 160.0), 64: (170.0, 660.0)}
     table = {1: 15.0}
