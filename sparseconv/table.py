@@ -93,6 +93,8 @@ class TableTiling:
             raise ValueError(f"pixels_per_lane must be 1..16, got {self.pixels_per_lane}")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if not isinstance(self.staged_entries, bool):
+            raise ValueError(f"staged_entries must be True or False, got {self.staged_entries!r}")
 
     def describe(self) -> str:
         staged = ", entries staged in shared memory" if self.staged_entries else ""

@@ -146,7 +146,7 @@ def test_table_source_refuses_what_the_family_does_not_take():
     assert "more than 64 taps" in table_supported(ConvShape(2, 2, 9, 9, 9, 9))
     with pytest.raises(ValueError, match="more than 64 taps"):
         weight_table(np.ones((2, 2, 9, 9), np.float32), ConvShape(2, 2, 9, 9, 9, 9))
-    for bad in (dict(pixels_per_lane=0), dict(warps=3)):
+    for bad in (dict(pixels_per_lane=0), dict(warps=3), dict(staged_entries=1)):
         with pytest.raises(ValueError):
             TableTiling(**bad)
 
