@@ -1017,11 +1017,13 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     """The tilings a layer is built with, each for batches up to a size:
     `tiling` for any batch, preceded by its split variant for small batches
     where split_tiling gives one."""
+    smaller = batch1_blocks(shape, tiling)
+    if smaller is not None:  # measured at batch 1 only
+        return [(BATCH1_VARIANT_MAX_BATCH, smaller), (ANY_BATCH, tiling)]
     split = split_tiling(shape, tiling)
     if split is None:
         return [(ANY_BATCH, tiling)]
-    up_to = BATCH1_VARIANT_MAX_BATCH if split == batch1_blocks(shape, tiling) else split_batch_limit(shape, split)
-    return [(up_to, split), (ANY_BATCH, tiling)]
+    return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
 
 
 def variant_for_batch(shape: ConvShape, batch: int, tiling: Optional[Tiling] = None) -> Tiling:

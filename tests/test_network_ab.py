@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 PROBE = """
@@ -120,18 +122,13 @@ def test_the_overlap_switch_turns_overlapped_launches_off():
     assert printed("import sparseconv.launch as launch\nprint(launch.OVERLAP_LAUNCHES)") == "True"
 
 
-def test_the_image_layer_switch_leaves_the_stem_its_default_tiling_at_batch_1():
+@pytest.mark.parametrize("switch, layer", [("image-layer-blocks", "conv1"),
+                                           ("expanding-pointwise-blocks", "layer1.0.conv3")])
+def test_a_batch1_blocks_switch_leaves_its_layer_the_default_tiling_at_batch_1(switch, layer):
     code = ("from sparseconv.shapes import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
-            "s = dict(resnet50())['conv1']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
+            f"s = dict(resnet50())[{layer!r}]\nprint(variant_for_batch(s, 1) == default_tiling(s))")
     assert printed(code) == "False"
-    assert printed(code, "image-layer-blocks") == "True"
-
-
-def test_the_expanding_switch_leaves_layer1_conv3_its_default_tiling_at_batch_1():
-    code = ("from sparseconv.shapes import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
-            "s = dict(resnet50())['layer1.0.conv3']\nprint(variant_for_batch(s, 1) == default_tiling(s))")
-    assert printed(code) == "False"
-    assert printed(code, "expanding-pointwise-blocks") == "True"
+    assert printed(code, switch) == "True"
 
 
 def test_the_staged_entries_switch_leaves_the_table_reading_global_memory():
