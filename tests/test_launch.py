@@ -108,10 +108,14 @@ def test_every_launched_kernel_waits_for_the_kernel_before_it_on_sm_90(family):
 
 
 @pytest.mark.nvcc
-def test_the_table_kernel_reads_its_table_before_the_wait_and_its_input_after():
-    ptx = compile_to_ptx(table_source(ConvShape(16, 32, 9, 9, 1, 1), TableTiling(2, 4)), Target("sm_90"), "t")
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_table_kernel_reads_its_table_before_the_wait_and_its_input_after(residual):
+    source = table_source(ConvShape(16, 32, 9, 9, 1, 1), TableTiling(2, 4, True), Epilogue(residual=residual))
+    ptx = compile_to_ptx(source, Target("sm_90"), "t")
     body = ptx[ptx.index(".entry sc_table_conv"):]
     wait = body.index("griddepcontrol.wait")
     assert "ld.global.nc.u32" in body[:wait] or "ld.global.nc.b32" in body[:wait]  # starts[k], starts[k + 1]
-    assert "ld.global.nc.f32" not in body[:wait]  # no input (x) and no residual before it
+    # the one float read before it is bias[k]: no input (x) and no residual, which the kernel before may write
+    assert body[:wait].count("ld.global.nc.f32") == 1
     assert "st.global" not in body[:wait]
+
