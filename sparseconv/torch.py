@@ -59,12 +59,17 @@ class CudaGraphModule(nn.Module):
             return self.module(x)
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("the CUDA-graph model is inference-only; call it under torch.no_grad()")
-        key = (tuple(x.shape), x.dtype, x.device)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(x)
-        graph, static_in, static_out = self._graphs[key]
+        # Host time here is part of every forward (docs/PERFORMANCE.md, session 26, run bh): one
+        # dict lookup, the torch.Size as it is (a tuple), no tree walk for a single-tensor output.
+        key = (x.shape, x.dtype, x.device)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(x)
+        graph, static_in, static_out = entry
         static_in.copy_(x)
         graph.replay()
+        if isinstance(static_out, torch.Tensor):
+            return static_out.clone()
         return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, static_out)
 
     def _capture(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor, Any]:
@@ -83,7 +88,7 @@ class CudaGraphModule(nn.Module):
         return graph, static_in, static_out
 
     def captured_shapes(self) -> List[Tuple[int, ...]]:
-        return [k[0] for k in self._graphs]
+        return [tuple(k[0]) for k in self._graphs]
 
 
 def _host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
