@@ -2,6 +2,7 @@
 command against that tree and this one, alternating, each importing its own."""
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,26 @@ def test_a_failing_run_is_reported_and_fails_the_whole(tmp_path):
     assert r.returncode == 1
     assert "round 1 old: rc 3" in r.stdout and "round 1 new: rc 3" in r.stdout
 
+
+
+def test_both_trees_build_into_one_compile_cache(tmp_path, monkeypatch):
+    old = tmp_path / "old"
+    assert _tree_ab("export", "HEAD", str(old)).returncode == 0
+    probe = "from sparseconv.cache import default_cache_dir; print(default_cache_dir())"
+    out = tmp_path / "ab"
+    monkeypatch.delenv("SPARSECONV_CACHE_DIR", raising=False)
+    r = _tree_ab("run", "--old", str(old), "--rounds", "1", "--out-dir", str(out), "--", sys.executable, "-c", probe)
+    assert r.returncode == 0, r.stderr
+    shared = str(Path(tempfile.gettempdir()) / "sparseconv-tree-ab-cache")
+    assert (out / "1old.txt").read_text().strip() == (out / "1new.txt").read_text().strip() == shared
+    # a folder the caller names is kept
+    monkeypatch.setenv("SPARSECONV_CACHE_DIR", str(tmp_path / "mine"))
+    r = _tree_ab("run", "--old", str(old), "--rounds", "1", "--out-dir", str(out), "--", sys.executable, "-c", probe)
+    assert r.returncode == 0, r.stderr
+    assert (out / "1old.txt").read_text().strip() == (out / "1new.txt").read_text().strip() == str(tmp_path / "mine")
+    # --separate-caches: each tree's own default
+    monkeypatch.delenv("SPARSECONV_CACHE_DIR")
+    r = _tree_ab("run", "--old", str(old), "--rounds", "1", "--out-dir", str(out), "--separate-caches", "--",
+                 sys.executable, "-c", probe)
+    assert r.returncode == 0, r.stderr
+    assert (out / "1old.txt").read_text().strip() != (out / "1new.txt").read_text().strip()
