@@ -74,7 +74,7 @@ def without_direct_cluster() -> None:
     def pointwise_only(shape, split):
         return split if split.family == "direct" else summed_in_cluster(shape, split)
 
-    shapes.summed_in_cluster = pointwise_only  # looked up at call time by split_tiling
+    shapes.summed_in_cluster = pointwise_only  # looked up at call time by small_batch_tiling
 
 
 def without_cluster_sum() -> None:
@@ -86,11 +86,11 @@ def without_wide_direct_chunks() -> None:
 
 
 def without_whole_image_split() -> None:
-    shapes.whole_image_split = lambda shape: None  # looked up at call time by split_tiling
+    shapes.whole_image_split = lambda shape: None  # looked up at call time by small_batch_tiling
 
 
 def without_large_image_blocks() -> None:
-    shapes.large_image_blocks = lambda shape: None  # looked up at call time by split_tiling
+    shapes.large_image_blocks = lambda shape: None  # looked up at call time by small_batch_tiling
 
 
 def without_gemv() -> None:

@@ -19,7 +19,7 @@ from .limits import check_layer
 from .parallel import LayerJob, build_many
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
-                     pointwise_tiling, shape_from_weight, split_batch_limit, split_tiling)
+                     pointwise_tiling, shape_from_weight, split_batch_limit, small_batch_tiling)
 from .tune import DENSE, tune_conv2d
 
 
@@ -138,7 +138,7 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
 # one pixel per image, and a thread whose pixel is past the batch still walks
 # the whole body (it loads pixel 0 and stores nothing). At batch 64, 448 of 512
 # threads would do nothing but issue. So: 32 threads (one warp) for the small-
-# batch variant with the reduction split over blocks (shapes.split_tiling, up
+# batch variant with the reduction split over blocks (shapes.small_batch_tiling, up
 # to batch 16), and 64 threads for any batch. Output channels per block as in
 # the pointwise default (128 where K <= 128, else 64). Not measured on a GPU
 # yet: sparsify routes each layer to cuBLAS where it is faster, and
@@ -158,7 +158,7 @@ def linear_variants(shape: ConvShape) -> List[Tuple[int, Tiling]]:
     batches where the reduction is long enough to split, then one for any
     batch (see the comment above)."""
     k_block = 128 if shape.k_per_group <= 128 else 64
-    split = split_tiling(shape, pointwise_tiling(shape, k_block, 1, LINEAR_SPLIT_THREADS))
+    split = small_batch_tiling(shape, pointwise_tiling(shape, k_block, 1, LINEAR_SPLIT_THREADS))
     whole = pointwise_tiling(shape, k_block, 1, LINEAR_THREADS)
     if split is None:
         return [(ANY_BATCH, whole)]

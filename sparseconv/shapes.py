@@ -465,7 +465,7 @@ def pointwise_tiling(shape: ConvShape, k_block: int = 64, pixels: int = 1, threa
 
 # Output channels (per group) up to which a pointwise layer's default takes
 # ptxas -O1, which keeps each chunk's loads ahead of its FMAs (see
-# split_tiling). H100, bench/split_probe.py --cold, session 11: ResNet-50
+# small_batch_tiling). H100, bench/split_probe.py --cold, session 11: ResNet-50
 # layer1.1.conv1 (K = 64) 12.3 -> 4.5 us at batch 1, 131.5 -> 92.0 at batch
 # 64; with K = 128 (layer2.x.conv1) -O1 was 5-11% slower. The same holds
 # for the 3x3 layers above 28x28 (default_tiling), where -O3's choice depends
@@ -631,7 +631,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
 
 
 # Blocks that fill the H100 once (132 SMs) and twice: a layer that gives fewer
-# than one wave at batch 1 gets a second, split variant (split_tiling).
+# than one wave at batch 1 gets a second, split variant (small_batch_tiling).
 ONE_WAVE, TWO_WAVES = 132, 264
 # Least work per slice of a split reduction: multiply-adds per output for the
 # direct family, input channels for the pointwise one. Below it the second
@@ -698,7 +698,7 @@ def cold_pointwise_split(shape: ConvShape) -> Optional[Tiling]:
     slices = 1
     while slices * 2 <= chunks and blocks * slices * 2 <= max_blocks:
         slices *= 2
-    # ptxas -O1 for the reason split_tiling gives
+    # ptxas -O1 for the reason small_batch_tiling gives
     return summed_in_cluster(shape, replace(t, slices=slices, ptxas_level=1)) if slices >= 2 else None
 
 
@@ -921,23 +921,24 @@ def batch1_blocks(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
     return image_layer_blocks(shape, tiling) or expanding_pointwise_blocks(shape, tiling)
 
 
-def split_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
-    """The variant of `tiling` for small batches with the input-channel
-    reduction split over blocks, or None where one image already fills the
-    GPU or the reduction is too short to split. A deep conv larger than 1x1
-    with more than SMALL_BATCH_POINTWISE_OUTPUT pixels is split on the direct
-    family whatever family `tiling` is, except that a pointwise `tiling` of
-    whole_image_split's or large_image_blocks' class takes that (checked
-    first; a direct `tiling` keeps the direct split, for comparisons; the
-    latter's variant is not split, only smaller blocks), and so does an image
-    layer's default direct tiling (image_layer_blocks, not split either), and
-    an expanding 1x1 conv's pointwise default (expanding_pointwise_blocks,
-    likewise). Pointwise-family
-    convs with images of 2 to COLD_SPLIT_MAX_PIXELS pixels (not Linear
-    layers, whose image is one pixel): cold_pointwise_split. Otherwise slices: the
-    largest power of two that keeps blocks within two waves and each slice at
-    least the minimum work (measured on the H100: batch 1, ResNet-50 and
-    VGG-16 layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
+def small_batch_tiling(shape: ConvShape, tiling: Tiling) -> Optional[Tiling]:
+    """The variant of `tiling` that small batches run, or None where one image
+    already fills the GPU or the input-channel reduction is too short to
+    split. The first case that applies:
+    - a pointwise `tiling` of whole_image_split's class: as few split blocks
+      as cover the image; of large_image_blocks' class: smaller blocks, not
+      split (a direct `tiling` skips both and keeps the direct split below,
+      for comparisons);
+    - batch1_blocks (the image layer, expanding 1x1 convs): smaller blocks,
+      not split;
+    - a conv larger than 1x1 with more than SMALL_BATCH_POINTWISE_OUTPUT
+      pixels is split on the direct family, whatever family `tiling` is;
+    - a pointwise conv with an image of 2 to COLD_SPLIT_MAX_PIXELS pixels
+      (not a Linear layer, whose image is one pixel): cold_pointwise_split;
+    - otherwise the reduction split into slices: the largest power of two
+      that keeps blocks within two waves and each slice at least the
+      minimum work (measured on the H100: batch 1, ResNet-50 and VGG-16
+      layers, 1.2-6x faster where it applies; bench/family_sweep.py)."""
     if tiling.slices != 1:
         return None
     whole = (whole_image_split(shape) or large_image_blocks(shape)) if tiling.family == "pointwise" else None
@@ -1015,12 +1016,13 @@ ANY_BATCH = 1 << 62
 
 def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]:
     """The tilings a layer is built with, each for batches up to a size:
-    `tiling` for any batch, preceded by its split variant for small batches
-    where split_tiling gives one."""
+    `tiling` for any batch, preceded by a variant for small batches where
+    there is one: batch1_blocks' for batch 1 (measured there only), else
+    small_batch_tiling's up to split_batch_limit."""
     smaller = batch1_blocks(shape, tiling)
     if smaller is not None:  # measured at batch 1 only
         return [(BATCH1_VARIANT_MAX_BATCH, smaller), (ANY_BATCH, tiling)]
-    split = split_tiling(shape, tiling)
+    split = small_batch_tiling(shape, tiling)
     if split is None:
         return [(ANY_BATCH, tiling)]
     return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]

@@ -12,7 +12,7 @@ from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_
                                SMALL_BATCH_POINTWISE_OUTPUT, ConvShape, Epilogue, Tiling, batch_variants,
                                blocks_per_image, candidate_tilings, check_tiling, default_direct_tiling, default_tiling,
                                launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
-                               patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, split_tiling)
+                               patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, small_batch_tiling)
 from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
                                SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
                                WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MAX_THREADS,
@@ -71,7 +71,7 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", k_block, threads, c_block)
         assert t.min_blocks == (4 if threads == 128 else 1)
-        split = split_tiling(shape, t)
+        split = small_batch_tiling(shape, t)
         if shape.out_h * shape.out_w <= SMALL_BATCH_POINTWISE_OUTPUT:
             # batch 1: the reduction split until the blocks fill one wave (cold_pointwise_split),
             # two where a block is two warps (7x7 outputs), which an SM runs two at a time
@@ -80,7 +80,7 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
             assert ONE_WAVE * waves // 2 < math.prod(launch_grid(shape, split, 1)) <= ONE_WAVE * waves
             assert register_resident_blocks(split) >= waves
         else:  # 28x28: the direct family's split measured faster at batch 1, below 256 channels
-            direct = split_tiling(shape, default_direct_tiling(shape))
+            direct = small_batch_tiling(shape, default_direct_tiling(shape))
             assert direct.family == "direct" and direct.slices >= 2
             if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS and shape.stride == (1, 1):
                 assert split == whole_image_split(shape)  # one pointwise block over the image
@@ -101,7 +101,7 @@ def test_deep_convs_with_larger_outputs_get_64_channels_x_256_threads():
                   ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1))):   # VGG-16 conv3_x
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise", 64, 256, 1)
-        split = split_tiling(shape, t)
+        split = small_batch_tiling(shape, t)
         if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS:
             assert split == whole_image_split(shape) and split.family == "pointwise"
         else:
@@ -201,14 +201,14 @@ def test_the_largest_launch_fits_cuda_and_32_bit_pixel_indices(shape):
 def test_split_variants_only_where_one_image_leaves_the_gpu_idle():
     stem = ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3))
     # too little work per output to split: its small-batch variant is smaller blocks, unsplit
-    assert split_tiling(stem, default_tiling(stem)).slices == 1
+    assert small_batch_tiling(stem, default_tiling(stem)).slices == 1
     big = ConvShape(64, 256, 112, 112, 1, 1)
-    assert split_tiling(big, default_tiling(big)) is None     # one image fills the GPU
+    assert small_batch_tiling(big, default_tiling(big)) is None     # one image fills the GPU
     one_chunk = ConvShape(64, 64, 56, 56, 1, 1)
-    assert split_tiling(one_chunk, default_tiling(one_chunk)) is None  # one chunk of channels: nothing to split
+    assert small_batch_tiling(one_chunk, default_tiling(one_chunk)) is None  # one chunk of channels: nothing to split
     # 56x56 (layer1.1.conv1): past COLD_SPLIT_MAX_PIXELS the old rule leaves it whole (measured faster cold)
     wide = ConvShape(256, 64, 56, 56, 1, 1)
-    assert wide.out_h * wide.out_w > COLD_SPLIT_MAX_PIXELS and split_tiling(wide, default_tiling(wide)) is None
+    assert wide.out_h * wide.out_w > COLD_SPLIT_MAX_PIXELS and small_batch_tiling(wide, default_tiling(wide)) is None
 
 
 def test_a_small_batch_1x1_takes_the_least_code_per_block():
@@ -217,7 +217,7 @@ def test_a_small_batch_1x1_takes_the_least_code_per_block():
     a block, and slices up to one wave (two for blocks of two warps, which
     share an SM: COLD_SPLIT_TWO_WAVE_MAX_THREADS)."""
     deep = ConvShape(2048, 512, 7, 7, 1, 1)
-    split = split_tiling(deep, default_tiling(deep))
+    split = small_batch_tiling(deep, default_tiling(deep))
     assert (split.k_block, split.threads, split.ptxas_level) == (32, 64, 1)  # 49 pixels: one block of 64 threads
     assert default_tiling(deep).ptxas_level == 3
     blocks = launch_grid(deep, split, 1)
@@ -225,11 +225,11 @@ def test_a_small_batch_1x1_takes_the_least_code_per_block():
     assert 16 * split.slices <= 2 * ONE_WAVE < 16 * split.slices * 2 and split.slices == 16
     # ResNet-50's layer3.x.conv3: the candidate measured fastest cold (12.9 us against 24.9, session 8)
     s = ConvShape(256, 1024, 14, 14, 1, 1)
-    split = split_tiling(s, default_tiling(s))
+    split = small_batch_tiling(s, default_tiling(s))
     assert (split.k_block, split.threads, split.slices, n_kblocks(s, split)) == (32, 224, 4, 128)
     # A Linear layer (one pixel per image) keeps the channel-count rule
     fc = ConvShape(4096, 1000, 1, 1, 1, 1)
-    split = split_tiling(fc, pointwise_tiling(fc, 64, 1, 32))
+    split = small_batch_tiling(fc, pointwise_tiling(fc, 64, 1, 32))
     assert split is not None and (split.k_block, split.threads) == (64, 32)
 
 
@@ -415,7 +415,7 @@ def test_deep_28x28_and_56x56_convs_split_as_few_blocks_over_the_image():
             ("pointwise", 800, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_C_BLOCK, slices, "kernel")
         check_tiling(vgg[name], split)
         assert default_tiling(vgg[name]).family == "pointwise"
-        assert split_tiling(vgg[name], default_direct_tiling(vgg[name])).family == "direct"
+        assert small_batch_tiling(vgg[name], default_direct_tiling(vgg[name])).family == "direct"
         assert variant_for_batch(vgg[name], 64) == default_tiling(vgg[name])  # unsplit: untouched
         assert launch_grid(vgg[name], split, 1)[0] == (1 if vgg[name].out_h == 28 else 4)  # pixel blocks
     for shape in (vgg["conv5_1"], r50["layer2.1.conv2"], r50["layer2.0.conv2"], r50["layer3.1.conv1"]):
@@ -450,7 +450,7 @@ def test_112x112_convs_run_16_channel_800_thread_blocks_at_batch_1():
         assert launch_grid(shape, small, 1) == (16, 8, 1) and 16 * 8 <= ONE_WAVE
         check_tiling(shape, small)
         assert variant_for_batch(shape, 2) == default_tiling(shape)
-        assert split_tiling(shape, default_direct_tiling(shape)) != small  # a direct tiling is left alone
+        assert small_batch_tiling(shape, default_direct_tiling(shape)) != small  # a direct tiling is left alone
     for shape in (vgg["conv1_2"], vgg["conv3_1"], vgg["conv3_2"], r50["layer1.1.conv2"], r50["conv1"]):
         assert large_image_blocks(shape) is None
     wide = vgg["conv2_2"]
