@@ -198,6 +198,28 @@ def test_cuda_graph_replays_equal_eager_results_on_fresh_inputs(session_cache_di
         torch.testing.assert_close(y0, eager(x0), rtol=1e-6, atol=1e-6)
 
 
+class _TwoOutputs(nn.Module):
+    def forward(self, x):
+        return x * 2.0, {"mean": x.mean(dim=(2, 3)), "label": "not a tensor"}
+
+
+def test_cuda_graph_module_clones_every_tensor_of_a_nested_output():
+    from sparseconv.torch import CudaGraphModule
+
+    graphed = CudaGraphModule(_TwoOutputs())
+    with torch.no_grad():
+        results = []
+        for _ in range(3):  # the first call captures, the others replay
+            x = torch.randn(2, 3, 8, 8, device="cuda")
+            doubled, extra = graphed(x)
+            results.append((x, doubled, extra))
+    for x, doubled, extra in results:  # no result overwritten by a later replay
+        torch.testing.assert_close(doubled, x * 2.0, rtol=0, atol=0)
+        torch.testing.assert_close(extra["mean"], x.mean(dim=(2, 3)), rtol=1e-6, atol=1e-6)
+        assert extra["label"] == "not a tensor"
+    assert graphed.captured_shapes() == [(2, 3, 8, 8)]
+
+
 def test_full_resnet50_batch2_matches_float64(session_cache_dir):
     import sparseconv.torch as sct
     from sparseconv.zoo_torch import build_network
