@@ -19,7 +19,7 @@ from .limits import check_layer
 from .parallel import LayerJob, build_many
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
-                     pointwise_tiling, shape_from_weight, split_batch_limit, small_batch_tiling)
+                     pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
 from .tune import DENSE, tune_conv2d
 
 
