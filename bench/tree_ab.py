@@ -68,10 +68,12 @@ def run(old: Path, rounds: int, out_dir: Path, command: List[str], shared_cache:
     Both trees build into one compile cache: $SPARSECONV_CACHE_DIR if set, else
     SHARED_CACHE (not under out_dir, whose files a device call brings back).
     A kernel's key hashes its template source, the specialiser's code, the
-    weights, tiling and ptxas flags, so a kernel both trees build is built once. Each tree's default (its own checkout's
-    ptx_cache/) made each side build everything: session 27's run bj spent its
-    device call building ResNet-50 twice. shared_cache False keeps the defaults,
-    for a change the keys do not see (in assemble.py, say)."""
+    weights, tiling and ptxas flags, so a kernel both trees build is built
+    once. Each tree's default (its own checkout's ptx_cache/) made each side
+    build everything: session 27's run bj spent its device call building
+    ResNet-50 twice. shared_cache False keeps the defaults, for a change in
+    how a cubin is made from the same PTX and flags (assemble.py): cubins
+    are keyed by those alone, so the two trees would share them."""
     missing = [name for name in TREE if not (old / name).is_dir()]
     if missing:
         raise TreeAbError(f"run: {old} has no {', '.join(missing)}/; make it with "
