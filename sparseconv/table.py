@@ -37,7 +37,7 @@ import numpy as np
 
 from .launch import GRID_DEPENDENCY_CUDA, launch
 from .runtime import CallContract
-from .shapes import ConvShape, Epilogue
+from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue
 
 # An entry's first word (unsigned): the byte offset of its weight's input
 # (channel and tap) shifted up by TAP_BITS, the tap in the bits below (the
@@ -111,8 +111,9 @@ class TableTiling:
         return 4 * self.warps * 32 * self.pixels_per_lane + self.staged_bytes(longest_channel)
 
 
-# Shared memory a block may take without opting in (cudaFuncSetAttribute).
-MAX_SHARED_BYTES = 48 * 1024
+# Shared memory a block may take without opting in (cudaFuncSetAttribute):
+# the same 48 KB that bounds the code families' input patches.
+MAX_SHARED_BYTES = MAX_PATCH_BYTES
 
 
 def fitting_tiling(tiling: TableTiling, longest_channel: int) -> TableTiling:
