@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,13 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    # Refused now, in one line (exit 2), not after the timing or with a traceback.
+    if args.repeat < 1 or args.trials < 1:
+        ap.error(f"--repeat and --trials must be 1 or more, got {args.repeat} and {args.trials}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device: the probe times CUDA graph replays")
     x = torch.randn(1, 3, 224, 224, device="cuda")
     with torch.no_grad():
         model = CudaGraphModule(TwoKernels())
