@@ -983,3 +983,42 @@ def test_tree_ab_refuses_bad_input_in_one_line_before_writing_or_running(case, t
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any(there.iterdir())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--layer", "vgg16:conv9_9"], "--layer vgg16:conv9_9: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
+    (["--layer", "lenet:conv1"], "--layer lenet:conv1: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
+    (["--channels", "64,x"], "--channels and --piece-lines take comma-separated integers"),
+    (["--channels", "1024"], "--channels must lie in 1..512 and --piece-lines be positive"),
+    (["--piece-lines", "0"], "--channels must lie in 1..512 and --piece-lines be positive"),
+    (["--out", "/nonexistent-folder/p.json"], "folder /nonexistent-folder does not exist"),
+])
+def test_ptxas_scaling_refuses_bad_options_before_compiling(args, needle):
+    """bench/ptxas_scaling.py: one line, exit 2, nothing compiled or written."""
+    r = _bench("bench/ptxas_scaling.py", *args)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--repeat", "0"], "--repeat and --trials must be 1 or more, got 0 and 3"),
+    (["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
+    (["--out", "/nonexistent-folder/w.json"], "folder /nonexistent-folder does not exist"),
+])
+def test_graph_wrapper_probe_refuses_bad_options_before_timing(args, needle):
+    """bench/graph_wrapper_probe.py: one line, exit 2, before any capture."""
+    pytest.importorskip("torch")
+    r = _bench("bench/graph_wrapper_probe.py", *args)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_graph_wrapper_probe_without_a_gpu_says_so_and_writes_nothing(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the probe would run")
+    out = tmp_path / "w.json"
+    r = _bench("bench/graph_wrapper_probe.py", "--out", str(out))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith("no CUDA device: the probe times CUDA graph replays")
+    assert not out.exists()
