@@ -86,7 +86,10 @@ class CompiledLayer:
 
     @property
     def shared_bytes(self) -> int:
-        return dynamic_shared_bytes(self.shape, self.tiling)
+        """Dynamic shared memory to launch with: the input patch, and a split
+        k-block's loop state where it did not fit in static shared memory
+        (specialise.pieces.PieceState)."""
+        return int(self.stats.get("launch_shared_bytes", dynamic_shared_bytes(self.shape, self.tiling)))
 
 
 def template_cache_key(source: str, target: Target) -> str:
@@ -163,7 +166,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
 
     t = time.perf_counter()
     layout = analyse_template(template_ptx, rendered)
-    ptx, spec = specialise(template_ptx, rendered, weight, layout)
+    ptx, spec = specialise(template_ptx, rendered, weight, layout, max_shared_bytes=target.max_shared_bytes)
     seconds["specialise"] = time.perf_counter() - t
     ptx_sha = hashlib.sha256(ptx.encode()).hexdigest()
 

@@ -31,7 +31,7 @@ from .build import CompiledLayer
 from .dense import dense_conv2d
 from .launch import GRID_DEPENDENCY_CUDA, launch
 from .ptx import ptx_version
-from .shapes import ANY_BATCH, ConvShape, Target
+from .shapes import ANY_BATCH, MAX_PATCH_BYTES, ConvShape, Target
 
 
 
@@ -87,6 +87,21 @@ def load_kernel(artifact: bytes, suffix: str, entry: str) -> Tuple[Any, Any]:
 # (the H100 allows 16) and only for kernels that opt in.
 PORTABLE_CLUSTER_SIZE = 8
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+
+
+# Dynamic shared memory above this needs the kernel's opt-in (CUDA's default limit).
+OPT_IN_SHARED_BYTES = MAX_PATCH_BYTES
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
+def allow_shared_bytes(fn: Any, nbytes: int) -> None:
+    """Let a loaded kernel launch with `nbytes` of dynamic shared memory,
+    above the 48 KB it gets without asking (a split k-block's loop state in
+    dynamic shared memory: specialise.pieces.PieceState)."""
+    import cupy
+
+    function = getattr(fn, "kernel", fn)
+    cupy.cuda.driver.funcSetAttribute(function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
 
 
 def allow_large_clusters(fn: Any) -> None:
@@ -305,6 +320,8 @@ class Conv2dKernel:
         for _, v, (_, fn) in loaded:
             if v.tiling.slice_sum == "cluster" and v.tiling.slices > PORTABLE_CLUSTER_SIZE:
                 allow_large_clusters(fn)
+            if v.shared_bytes > OPT_IN_SHARED_BYTES:
+                allow_shared_bytes(fn, v.shared_bytes)
         self._variants = [(up_to, v, fn) for up_to, v, (_, fn) in loaded]
         self._modules = [mod for _, _, (mod, _) in loaded]
         k = self.shape.out_channels

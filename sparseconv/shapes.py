@@ -285,6 +285,18 @@ class Target:
         """Thread-block clusters and distributed shared memory: sm_90 and later."""
         return int(self.arch[3:].rstrip("af")) >= 90
 
+    @property
+    def max_shared_bytes(self) -> int:
+        """Shared memory one block may opt in to (cudaFuncAttributeMaxDynamicSharedMemorySize),
+        from the CUDA C++ Programming Guide's table of compute capabilities;
+        48 KB, what needs no opt-in, for an arch not listed."""
+        cc = int(self.arch[3:].rstrip("af"))
+        return _OPT_IN_SHARED_KB.get(cc, MAX_PATCH_BYTES // 1024) * 1024
+
+
+_OPT_IN_SHARED_KB = {70: 96, 72: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227,
+                     110: 227, 120: 99, 121: 99}
+
 
 # The pointwise family reads its input once per k-block. Blocks start in
 # grid order, x fastest, so with the pixel blocks along x each k-block would
@@ -396,7 +408,8 @@ def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
     if tiling.family == "pointwise" and shape.kernel_h * shape.kernel_w > 64:
-        raise ValueError(f"the pointwise family serves kernels of at most 64 taps, not {shape.kernel_h}x{shape.kernel_w}")
+        raise ValueError(f"the pointwise family serves kernels of at most 64 taps, "
+                         f"not {shape.kernel_h}x{shape.kernel_w}")
     if tiling.slices > math.ceil(shape.c_per_group / tiling.c_block):
         raise ValueError(f"tiling {tiling.describe()}: {tiling.slices} slices but only "
                          f"{math.ceil(shape.c_per_group / tiling.c_block)} chunks of input channels")

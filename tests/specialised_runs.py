@@ -11,11 +11,13 @@ from sparseconv.shapes import dynamic_shared_bytes, launch_grid, n_chunks
 from ptx_interpreter import run_kernel
 
 
-def run_ptx(ptx, rendered, x, bias, residual=None):
+def run_ptx(ptx, rendered, x, bias, residual=None, shared_bytes=None):
     """Run the specialised kernel in the interpreter. With a split reduction
     the slices' partial sums are added here in slice order (as the run-time's
     reduction kernel does) and the epilogue applied after, unless the kernel
-    sums them in its clusters (Tiling.slice_sum)."""
+    sums them in its clusters (Tiling.slice_sum). `shared_bytes`: the dynamic
+    shared memory to launch with (SpecialiseStats.launch_shared_bytes; by
+    default the input patch's)."""
     shape, t = rendered.shape, rendered.tiling
     n = x.shape[0]
     outputs = 1 if t.slice_sum == "cluster" else t.slices
@@ -23,7 +25,7 @@ def run_ptx(ptx, rendered, x, bias, residual=None):
     run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
                args=[np.ascontiguousarray(x), y, bias, residual if residual is not None else 0, n,
                      n_chunks(shape, t)],
-               dynamic_shared_bytes=dynamic_shared_bytes(shape, t))
+               dynamic_shared_bytes=dynamic_shared_bytes(shape, t) if shared_bytes is None else shared_bytes)
     if outputs == 1:
         return y[0]
     out = y[0]

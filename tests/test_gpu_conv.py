@@ -342,3 +342,21 @@ def test_cluster_sum_matches_reference_and_the_workspace_sum(name, session_cache
               for how, conv in convs.items()}
         assert relative_l2(ys["cluster"], ref, xp=cp) <= TOL
         assert bool((ys["cluster"].view(cp.uint32) == ys["kernel"].view(cp.uint32)).all())
+
+
+def test_pieces_with_their_state_in_dynamic_shared_memory(session_cache_dir):
+    """VGG-16 conv5_2's batch-64 tiling (64 output channels a thread, 512
+    threads) on 512 input channels: its k-block is cut into pieces whose loop
+    state (66 registers x 512 threads, 132 KB) goes through dynamic shared
+    memory past 48 KB, which the kernel opts in to at load."""
+    rng = np.random.default_rng()
+    s = sparseconv.ConvShape(512, 64, 14, 14, 3, 3, padding=(1, 1))
+    w = pruned_weight(rng, s.weight_shape, 0.9)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    tiling = Tiling(64, 4, 1, 512, 1, 1, family="pointwise")
+    conv = sparseconv.compile_conv2d(w, input_size=(14, 14), bias=bias, padding=1, tiling=tiling,
+                                     cache_dir=str(session_cache_dir), name="dynamic_state")
+    assert conv.stats["pieces"] > conv.stats["kblocks"] == 1
+    assert conv.layer.shared_bytes == conv.stats["launch_shared_bytes"] > 48 * 1024
+    for batch in (1, 2):
+        run_and_check(conv, w, bias, s, batch, rng)

@@ -12,8 +12,8 @@ from sparseconv.ptx import Stmt
 from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, image_layer_blocks, launch_grid,
-                               n_chunks)
+from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, dynamic_shared_bytes,
+                               image_layer_blocks, launch_grid, n_chunks)
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -394,3 +394,36 @@ def test_pointwise_groups_of_pixel_blocks_cover_the_batch(name, monkeypatch):
     grid = launch_grid(shape, t, n)
     assert grid[0] == 2 and grid[2] == -(-blocks // 2) >= 2 and blocks % 2 == 1
     check_family_layer(name, n)
+
+
+@pytest.mark.parametrize("name", ["blocks_and_chunks", "direct_cluster_two_chunks", "pw_cluster_two_chunks"])
+def test_pieces_hand_their_state_through_dynamic_shared_memory(name, monkeypatch):
+    """Where the loop state does not fit in the 48 KB a kernel gets without
+    opting in (here: a limit of 0 bytes), it goes after the input patch in
+    dynamic shared memory, and the kernel is launched with both. The patch
+    (and a cluster sum's partial tile) and the state must not overlap:
+    bit-identical to the whole k-blocks, and right against float64."""
+    from sparseconv.specialise import pieces
+
+    rng = np.random.default_rng(17)
+    rendered, tptx = family_template(name) if name != "blocks_and_chunks" else template(name)
+    shape = rendered.shape
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    res = (rng.standard_normal((2, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32)
+           if rendered.epilogue.residual else None)
+    whole, s1 = specialise(tptx, rendered, w)
+    monkeypatch.setattr(pieces, "MAX_SHARED_BYTES", 0)
+    cut, s2 = specialise(tptx, rendered, w, piece_lines=1, max_shared_bytes=Target().max_shared_bytes)
+    patch = dynamic_shared_bytes(shape, rendered.tiling)
+    assert s2.pieces > s2.kblocks == s1.pieces
+    assert f".extern .shared .align 16 .b8 {pieces.STATE_SYMBOL}[];" in cut
+    assert s2.launch_shared_bytes > patch == s1.launch_shared_bytes
+    y = run_ptx(cut, rendered, x, bias, res, shared_bytes=s2.launch_shared_bytes)
+    np.testing.assert_array_equal(y.view(np.uint32), run_ptx(whole, rendered, x, bias, res).view(np.uint32))
+    ref = apply_epilogue(conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation, shape.groups),
+                         rendered.epilogue, res)
+    assert relative_l2(y, ref) <= 1e-5
+    with pytest.raises(PtxInterpreterError):  # the state's last bytes are read: launched short, it fails
+        run_ptx(cut, rendered, x, bias, res, shared_bytes=s2.launch_shared_bytes - 4)

@@ -69,6 +69,10 @@ class TemplateLayout:
     body_other: int              # body items that are not placeholder FMAs (lines of a copy, FMAs aside)
     piece_inputs: Tuple[str, ...]   # loop-carried: written by a copy, live at its start (a piece loads them)
     piece_outputs: Tuple[str, ...]  # written by a copy and live after it (a piece stores them)
+    # Loop-carried registers a copy only steps by a constant (the chunk counter,
+    # the channel index): (register, step). A piece does not hand these on; it
+    # recomputes them from the prologue's value (pieces.PieceState.resume).
+    piece_steps: Tuple[Tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,53 @@ def _piece_interface(body: List[object], epilogue: List[Stmt], reg_types: Dict[s
     return (tuple(r for r in regs if ins >> bit[r] & 1), tuple(r for r in regs if outs >> bit[r] & 1))
 
 
+_STEP_RE = re.compile(r"add\.[su](32|64)")
+_MOV_RE = re.compile(r"mov\.[bsu](32|64)")
+
+
+def _piece_steps(body: List[object], inputs: Tuple[str, ...]) -> Tuple[Tuple[str, int], ...]:
+    """Those of the loop-carried `inputs` that a copy of the body only steps by
+    a constant: at the copy's end the register holds its value at the copy's
+    start plus `step`, through unguarded `add.{s,u}{32,64}` of an integer and
+    `mov`s alone (the direct family's counter goes `add t, r, 1; ...; mov r, t`).
+    After c copies it holds the loop's start value plus c * step (mod 2^bits,
+    as the adds wrap). A piece starting at chunk j0 then sets it to the
+    prologue's value plus j0 * step, a constant ptxas folds into every address
+    computed from it. Loaded from shared memory instead, the value is unknown
+    to ptxas, which then computes each load's address at run time: ~1 integer
+    multiply a load, +26% of a VGG-16 512-channel k-block's instructions cut
+    into 6 pieces, and +25-38% of its run time at batch 64 (docs/PERFORMANCE.md,
+    session 28)."""
+    value: Dict[str, Tuple[str, int]] = {}  # register -> (a register's value at the copy's start, + offset)
+    written: Set[str] = set()
+
+    def known(reg: str) -> Optional[Tuple[str, int]]:
+        return value.get(reg, (reg, 0) if reg not in written else None)
+
+    for it in body:
+        if isinstance(it, PlaceholderFma):
+            dests = [it.dest]
+            tracked = None
+        elif it.kind == "instr":
+            dests = it.dest_regs()
+            ops = it.operands()
+            tracked = None
+            if not it.pred and len(dests) == 1:
+                if _STEP_RE.fullmatch(it.opcode) and len(ops) == 3 and re.fullmatch(r"-?\d+", ops[2]):
+                    src = known(ops[1])
+                    tracked = (src[0], src[1] + int(ops[2])) if src else None
+                elif _MOV_RE.fullmatch(it.opcode) and len(ops) == 2 and REG_RE.fullmatch(ops[1]):
+                    tracked = known(ops[1])
+        else:
+            continue
+        for d in dests:
+            written.add(d)
+            value.pop(d, None)
+        if tracked is not None:
+            value[dests[0]] = tracked
+    return tuple((r, value[r][1]) for r in inputs if r in value and value[r][0] == r)
+
+
 def branch_target(st: Stmt) -> Optional[str]:
     if st.kind == "instr" and st.base_opcode == "bra":
         return st.srcs.strip()
@@ -401,4 +452,4 @@ def analyse_template(ptx: str, rendered: RenderedTemplate) -> TemplateLayout:
         fmas_per_weight=per_weight, ptx_lines=len(ptx.splitlines()),
         liveness=_body_liveness(body, epilogue, outs),  # a piece's outputs are read after its last copy
         body_other=sum(1 for it in body if not isinstance(it, PlaceholderFma)),
-        piece_inputs=ins, piece_outputs=outs)
+        piece_inputs=ins, piece_outputs=outs, piece_steps=_piece_steps(body, ins))

@@ -30,22 +30,28 @@ linear pass:
 
       .func sc_kblock_3_p1(<x, y, bias, kblock, n, n_chunks>)
       {   <the prologue, as in the template>        recomputes every loop invariant
-          <load the loop state from sc_state>       (not in the first piece)
+          <load the loop state from sc_state,       (not in the first piece)
+           step the counters to chunk j0>
           <chunk copies j0 .. j1-1, exactly as above>
           <store the loop state to sc_state; ret>   (the last piece: the epilogue)
       }
 
   The loop state is the registers the body writes that are live across a
   copy boundary (accumulators, the chunk counter), found once per template by
-  dataflow over the body and the epilogue (analysis._piece_interface). It goes through
-  a static shared array `sc_state`, one column of `threads` slots per
+  dataflow over the body and the epilogue (analysis._piece_interface). Those a
+  copy only steps by a constant (the chunk counter, the channel index) are not
+  handed on: each piece adds j0 steps to the prologue's value, a constant
+  ptxas folds into the load addresses (analysis._piece_steps). The rest goes through
+  a shared array `sc_state`, one column of `threads` slots per
   register, each thread reading back only its own slots (pieces.PieceState), not
   through call parameters: the ABI passes big parameter lists on the stack,
   and that made split layers 1.1-1.8x slower on the H100, against 1.0-1.07x
-  this way. The entry's jump table calls a split k-block's pieces in order,
-  each call in its own copy of the call sequence. Small layers (one piece per
-  k-block) get exactly the unsplit function; so does a layer whose state
-  would not fit in shared memory next to the input patch (MAX_SHARED_BYTES).
+  this way. Past the 48 KB a kernel may use without opting in, the array
+  moves to dynamic shared memory after the input patch (VGG-16's deep
+  batch-64 layers: 132 KB of state). The entry's jump table calls a split
+  k-block's pieces in order, each call in its own copy of the call sequence.
+  Small layers (one piece per k-block) get exactly the unsplit function; so
+  does a layer whose state would not fit even there (Target.max_shared_bytes).
 
 Speed (issue 3 asks for 500K PTX lines a second): the pass touches every
 placeholder FMA of every copy, so the per-template work is done once, in
@@ -72,7 +78,8 @@ from ..ptx import REG_RE, Stmt, reg_prefix
 from ..render import KBLOCK_FUNC, RenderedTemplate
 from .analysis import (BodyLiveness, PlaceholderFma, SpecialiseError, TemplateLayout, analyse_template,
                        branch_target)
-from .pieces import STATE_SYMBOL, PieceState, piece_budget, plan_pieces
+from ..shapes import dynamic_shared_bytes
+from .pieces import PieceState, piece_budget, plan_pieces
 from .weights import arrange_weights
 
 
@@ -91,6 +98,7 @@ class SpecialiseStats:
     ptx_lines_template: int
     ptx_lines_visited: int     # template statements the pass walked (its input, copies counted)
     ptx_lines: int
+    launch_shared_bytes: int   # dynamic shared memory to launch with: the patch, and a split's state past 48 KB
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -391,11 +399,15 @@ def _render_plain(st: Stmt) -> str:
 
 
 def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray,
-               layout: Optional[TemplateLayout] = None,
-               piece_lines: Optional[int] = None) -> Tuple[str, SpecialiseStats]:
+               layout: Optional[TemplateLayout] = None, piece_lines: Optional[int] = None,
+               max_shared_bytes: Optional[int] = None) -> Tuple[str, SpecialiseStats]:
     """The layer's PTX and what the pass did. `weight` is (K, C/groups, R, S) float32.
     `piece_lines` bounds the estimated PTX lines of chunk copies in one function
-    (default MAX_PIECE_LINES; tests make it tiny to force splitting)."""
+    (default MAX_PIECE_LINES; tests make it tiny to force splitting).
+    `max_shared_bytes`: the shared memory the kernel may opt in to
+    (Target.max_shared_bytes; default 48 KB, no opt-in), which bounds where a
+    split k-block's loop state may go (pieces.PieceState). The kernel is
+    launched with stats.launch_shared_bytes of dynamic shared memory."""
     shape, tiling = rendered.shape, rendered.tiling
     weight = np.asarray(weight, dtype=np.float32)
     if weight.shape != shape.weight_shape:
@@ -411,8 +423,9 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
     counts = [0, 0, 0, 0]  # placeholder FMAs visited, deleted, loads dropped, template lines visited
     # Estimated lines of each chunk copy: the body's other statements plus its kept FMAs.
     cost = layout.body_other + np.count_nonzero(bits & 0x7FFFFFFF, axis=2) * layout.fmas_per_weight
-    state = PieceState(layout, tiling.threads)
-    budget = piece_budget(layout, state, shape, tiling, piece_lines)
+    patch_bytes = dynamic_shared_bytes(shape, tiling)
+    state = PieceState(layout, tiling.threads, patch_bytes, max_shared_bytes)
+    budget = piece_budget(layout, state, piece_lines)
     split: Dict[int, int] = {}  # k-block -> its number of pieces, where more than one
     epi_labels = {st.text[:-1] for st in layout.epilogue if st.kind == "label"}
     skip_labels = sorted({t for t in map(branch_target, layout.prologue) if t in epi_labels})
@@ -435,6 +448,7 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
                 out.append(plan.prologue_text.render(sfx))
             if i > 0:
                 out.extend(state.load())
+                out.extend(state.resume(j0))
             _emit_chunks(layout, plan, bits[b], b, j0, j1, ren, out, counts)
             ren.pos = None
             counts[3] += len(layout.prologue) + (len(layout.epilogue) if i == last else 0)
@@ -453,7 +467,7 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
             out.append("}")
             out.append("")
     if split:  # one array for every piece of every k-block (a block runs one k-block)
-        out.insert(len(layout.header), f".weak .shared .align 16 .b8 {STATE_SYMBOL}[{state.bytes}];")
+        out.insert(len(layout.header), state.declaration())
     n_fma, n_deleted, n_loads_dropped, n_visited = counts
 
     # Entry: a jump table on blockIdx.y picks one copy of the call sequence
@@ -499,5 +513,6 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
         kblocks=kblocks, chunks=chunks, pieces=n_pieces, weights=int(weight.size),
         nonzero_weights=int(np.count_nonzero(weight)), fmas_per_weight=layout.fmas_per_weight,
         fmas_before=n_fma, fmas_deleted=n_deleted, fmas_kept=n_fma - n_deleted, loads_dropped=n_loads_dropped,
-        ptx_lines_template=layout.ptx_lines, ptx_lines_visited=n_visited, ptx_lines=text.count("\n") + 1)
+        ptx_lines_template=layout.ptx_lines, ptx_lines_visited=n_visited, ptx_lines=text.count("\n") + 1,
+        launch_shared_bytes=state.launch_bytes if split else patch_bytes)
     return text, stats
