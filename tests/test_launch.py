@@ -89,7 +89,7 @@ def _sources():
         "code": render(shape, default_tiling(shape), Epilogue("relu")).source,
         "reduce": _REDUCE_SOURCE,
         "table": table_source(shape, TableTiling(2, 4), Epilogue("relu")),
-        "pool": pool_source((3, 3)),
+        "pool": pool_source((3, 3), (2, 2), (1, 1), (1, 1), (9, 9), (5, 5)),
         "gemv": gemv_source(2, GemvVariant()),
     }
 

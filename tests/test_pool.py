@@ -3,6 +3,8 @@ it at run time and executed in the PTX interpreter, against torch's
 F.max_pool2d (CPU) bit for bit, NaN and infinities included; its output
 sizes against torch's; and the front end's swap of nn.MaxPool2d."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +24,10 @@ POOLS = [MaxPoolShape.of(3, 2, 1),                       # ResNet's stem pool
          MaxPoolShape.of(3, 2, 1, ceil_mode=True)]       # a last window past the input
 
 
-def pool_ptx(kernel) -> str:
-    """The kernel for one window size (compiled in, as at run time)."""
-    return compile_to_ptx(pool_source(kernel), Target(), "the max pool")
+def pool_ptx(kernel, stride, pad_top_left, dilation, in_size, out_size) -> str:
+    """The kernel for one window and plane size (compiled in, as at run time)."""
+    return compile_to_ptx(pool_source(kernel, stride, pad_top_left, dilation, in_size, out_size), Target(),
+                          "the max pool")
 
 
 def torch_pool(x: np.ndarray, s: MaxPoolShape) -> np.ndarray:
@@ -41,8 +44,8 @@ def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool):
     oh, ow = pool.output_size(7, 9)
     y = np.full((2, 3, oh, ow), 12345.0, np.float32)
     # fewer blocks than planes and fewer threads than pixels: both grid-stride loops run
-    run_kernel(pool_ptx(pool.kernel), "sc_max_pool2d", grid=(2, 4, 1), block=(4, 1, 1),
-               args=[x, y, 6, 7, 9, oh, ow, *pool.stride, *pool.padding, *pool.dilation])
+    run_kernel(pool_ptx(pool.kernel, pool.stride, pool.padding, pool.dilation, (7, 9), (oh, ow)), "sc_max_pool2d",
+               grid=(2, 4, 1), block=(4, 1, 1), args=[x, y, 6])
     want = torch_pool(x, pool)
     assert y.shape == want.shape
     assert np.array_equal(y, want, equal_nan=True)
@@ -116,6 +119,19 @@ def test_the_kernel_gives_the_onnx_runners_maxima_with_uneven_pads(pads, ceil):
     attrs = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": pads, "ceil_mode": ceil}
     want = _pool(np, x, attrs, "max")  # the NumPy path: a padded copy, then maxima of shifted views
     y = np.full(want.shape, 12345.0, np.float32)
-    run_kernel(pool_ptx((3, 3)), "sc_max_pool2d", grid=(1, 6, 1), block=(32, 1, 1),
-               args=[x, y, 6, 8, 7, *want.shape[2:], 2, 2, pads[0], pads[1], 1, 1])
+    run_kernel(pool_ptx((3, 3), (2, 2), pads[:2], (1, 1), (8, 7), want.shape[2:]), "sc_max_pool2d",
+               grid=(1, 6, 1), block=(32, 1, 1), args=[x, y, 6])
     assert np.array_equal(y, want, equal_nan=True)
+
+
+@pytest.mark.nvcc
+def test_the_sizes_are_compiled_in_so_no_thread_divides():
+    """With the plane's sizes as kernel arguments, a pixel's row and column
+    took an integer division, and the kernel was bound by its integer work
+    (ncu, session 28: 121 us for ResNet-50's stem pool at batch 64; 96 with
+    the sizes compiled in). Each size gets its own source and kernel."""
+    ptx = pool_ptx((3, 3), (2, 2), (1, 1), (1, 1), (112, 112), (56, 56))
+    assert not re.search(r"\b(div|rem)\.[su]32\b", ptx)
+    assert "griddepcontrol.wait" in ptx
+    assert pool_source((3, 3), (2, 2), (1, 1), (1, 1), (112, 112), (56, 56)) != \
+        pool_source((3, 3), (2, 2), (1, 1), (1, 1), (56, 56), (28, 28))
