@@ -225,3 +225,11 @@ def test_split_pieces_recompute_the_chunk_counters(name):
         assert not re.search(rf"ld\.shared\.\w+ {re.escape(r)},", ptx)
         resumed = re.findall(rf"add\.s(?:32|64) {re.escape(r)}, {re.escape(r)}, (-?\d+);", ptx)
         assert resumed == [str(j * step) for _ in range(stats.kblocks) for j in range(1, stats.chunks)]
+
+
+def test_a_state_of_stepped_registers_only_goes_through_no_shared_memory():
+    layout = fake_layout(("%r3",), ("%r3",))
+    layout.piece_steps = (("%r3", 1),)
+    state = PieceState(layout, threads=8)
+    assert (state.bytes, state.load(), state.store({})) == (0, [], [])
+    assert state.resume(2) == ["\tadd.s32 %r3, %r3, 2;"]

@@ -466,7 +466,7 @@ def specialise(template_ptx: str, rendered: RenderedTemplate, weight: np.ndarray
                         _emit(seg[1], ren, out, sfx, labels)  # reads or writes an aliased register
             out.append("}")
             out.append("")
-    if split:  # one array for every piece of every k-block (a block runs one k-block)
+    if split and state.bytes:  # one array for every piece of every k-block (a block runs one k-block)
         out.insert(len(layout.header), state.declaration())
     n_fma, n_deleted, n_loads_dropped, n_visited = counts
 

@@ -135,6 +135,8 @@ class PieceState:
         return out
 
     def load(self) -> List[str]:
+        if not self.ins:  # everything carried is stepped (resume)
+            return []
         out = ["\t// loop state from the previous piece", "\t{", *self._bases()]
         for r in self.ins:
             t, w, col = self.slot[r]
@@ -160,6 +162,8 @@ class PieceState:
 
     def store(self, alias: Dict[str, str]) -> List[str]:
         """`alias`: the emitter's register aliases (a deleted FMA's destination reads its accumulator)."""
+        if not self.outs:
+            return []
         out = ["\t// loop state for the next piece", "\t{", *self._bases()]
         for r in self.outs:
             t, w, col = self.slot[r]
