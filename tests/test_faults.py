@@ -896,17 +896,35 @@ def test_layer_chain_probe_refuses_a_chain_of_one_before_touching_the_gpu():
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--layers must be 2 or more, got 1")
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--sizes-kb", "8,a"], "--sizes-kb: comma-separated numbers of KB, got '8,a'"),
-    (["--sizes-kb", "0"], "--sizes-kb: sizes above 0, got '0'"),
-    (["--threads", "33"], "--threads 33: a multiple of 32 from 32 to 1024"),
-    (["--passes", "1"], "--passes 1: at least 2 (one pass is the baseline)"),
-    (["--blocks", "0"], "--blocks and --repeat: 1 or more"),
-])
-def test_icache_probe_refuses_bad_options_before_touching_the_gpu(args, needle):
-    """bench/icache_probe.py: one line, exit 2, nothing assembled or run."""
-    r = _bench("bench/icache_probe.py", *args)
+_PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
+    ("bench/icache_probe.py", ["--sizes-kb", "8,a"], "--sizes-kb: comma-separated numbers of KB, got '8,a'"),
+    ("bench/icache_probe.py", ["--sizes-kb", "0"], "--sizes-kb: sizes above 0, got '0'"),
+    ("bench/icache_probe.py", ["--threads", "33"], "--threads 33: a multiple of 32 from 32 to 1024"),
+    ("bench/icache_probe.py", ["--passes", "1"], "--passes 1: at least 2 (one pass is the baseline)"),
+    ("bench/icache_probe.py", ["--blocks", "0"], "--blocks and --repeat: 1 or more"),
+    ("bench/ptxas_scaling.py", ["--layer", "vgg16:conv9_9"],
+     "--layer vgg16:conv9_9: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
+    ("bench/ptxas_scaling.py", ["--layer", "lenet:conv1"],
+     "--layer lenet:conv1: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
+    ("bench/ptxas_scaling.py", ["--channels", "64,x"], "--channels and --piece-lines take comma-separated integers"),
+    ("bench/ptxas_scaling.py", ["--channels", "1024"], "--channels must lie in 1..512 and --piece-lines be positive"),
+    ("bench/ptxas_scaling.py", ["--piece-lines", "0"], "--channels must lie in 1..512 and --piece-lines be positive"),
+    ("bench/ptxas_scaling.py", ["--out", "/nonexistent-folder/p.json"], "folder /nonexistent-folder does not exist"),
+    ("bench/graph_wrapper_probe.py", ["--repeat", "0"], "--repeat and --trials must be 1 or more, got 0 and 3"),
+    ("bench/graph_wrapper_probe.py", ["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
+    ("bench/graph_wrapper_probe.py", ["--out", "/nonexistent-folder/w.json"],
+     "folder /nonexistent-folder does not exist"),
+]
+
+
+@pytest.mark.parametrize("script, args, needle", _PROBE_REFUSALS,
+                         ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
+def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
+    """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py: exit
+    2, one line, nothing printed, assembled, compiled, timed or written."""
+    r = _bench(script, *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 @pytest.mark.parametrize("args", [["--blocks-per-sm", "0"], ["--threads", "100"], ["--waves", "0"], ["--spin-us", "0"]])
@@ -983,34 +1001,6 @@ def test_tree_ab_refuses_bad_input_in_one_line_before_writing_or_running(case, t
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"] and not any(there.iterdir())
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--layer", "vgg16:conv9_9"], "--layer vgg16:conv9_9: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
-    (["--layer", "lenet:conv1"], "--layer lenet:conv1: not a layer of the zoo (vgg16:<name> or resnet50:<name>)"),
-    (["--channels", "64,x"], "--channels and --piece-lines take comma-separated integers"),
-    (["--channels", "1024"], "--channels must lie in 1..512 and --piece-lines be positive"),
-    (["--piece-lines", "0"], "--channels must lie in 1..512 and --piece-lines be positive"),
-    (["--out", "/nonexistent-folder/p.json"], "folder /nonexistent-folder does not exist"),
-])
-def test_ptxas_scaling_refuses_bad_options_before_compiling(args, needle):
-    """bench/ptxas_scaling.py: one line, exit 2, nothing compiled or written."""
-    r = _bench("bench/ptxas_scaling.py", *args)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
-    assert "Traceback" not in r.stderr and r.stdout == ""
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--repeat", "0"], "--repeat and --trials must be 1 or more, got 0 and 3"),
-    (["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
-    (["--out", "/nonexistent-folder/w.json"], "folder /nonexistent-folder does not exist"),
-])
-def test_graph_wrapper_probe_refuses_bad_options_before_timing(args, needle):
-    """bench/graph_wrapper_probe.py: one line, exit 2, before any capture."""
-    pytest.importorskip("torch")
-    r = _bench("bench/graph_wrapper_probe.py", *args)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
-    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_graph_wrapper_probe_without_a_gpu_says_so_and_writes_nothing(tmp_path):
