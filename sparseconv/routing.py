@@ -11,6 +11,7 @@ graphs for the runner's kernels): here only the choice and its text.
 from __future__ import annotations
 
 import math
+from collections import abc
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -94,8 +95,11 @@ def choose_route(time_both: Callable[[int], Tuple[float, float]], batches: Seque
 
 
 def check_route_batches(route_batches: object, who: str) -> None:
-    """None, or positive int batch sizes; a ValueError that says so otherwise."""
-    if route_batches is not None and not (isinstance(route_batches, (list, tuple)) and all(
+    """None, or a sequence (list, tuple, range) of positive int batch sizes; a
+    ValueError that says so otherwise. A one-shot iterable is refused: the
+    check would use it up before the routing reads it."""
+    if route_batches is not None and not (
+            isinstance(route_batches, abc.Sequence) and not isinstance(route_batches, (str, bytes)) and all(
             isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in route_batches)):
-        raise ValueError(f"{who}: route_batches must be positive batch sizes (e.g. (1, 64)) or None, "
-                         f"got {route_batches!r}")
+        raise ValueError(f"{who}: route_batches must be a list or tuple of positive batch sizes "
+                         f"(e.g. (1, 64)) or None, got {route_batches!r}")

@@ -28,7 +28,7 @@ from torch import nn
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, conv_padding, plan, prepare,
                  swap_dense_linears, swap_max_pools, swap_modules)
-from .routing import choose_route, route_from_choices
+from .routing import check_route_batches, choose_route, route_from_choices
 from .shapes import ANY_BATCH, Epilogue
 from .table import MAX_TABLE_BATCH, routable_table
 from .tune import DENSE, SPARSE_EVENTS
@@ -251,10 +251,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     if max_linear_weights is not None and (isinstance(max_linear_weights, bool) or
                                            not isinstance(max_linear_weights, int) or max_linear_weights < 1):
         raise ValueError(f"sparsify: max_linear_weights must be a positive int or None, got {max_linear_weights!r}")
-    if route_batches is not None and (isinstance(route_batches, (str, bytes)) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in route_batches)):
-        raise ValueError(f"sparsify: route_batches must be positive batch sizes (e.g. (1, 64)) or None, "
-                         f"got {route_batches!r}")
+    check_route_batches(route_batches, "sparsify")
     if not isinstance(example_input, torch.Tensor) or not example_input.is_cuda:
         raise ValueError("sparsify: example_input must be a CUDA tensor (the model runs on the GPU); "
                          "move the model and the example with .cuda()")

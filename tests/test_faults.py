@@ -688,13 +688,23 @@ def test_compile_conv2d_refuses_a_bad_epilogue_before_building(tmp_path, kwargs,
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.cubin"))
 
 
-@pytest.mark.parametrize("route_batches", [[0], [1.5], "64", [True]])
+@pytest.mark.parametrize("route_batches", [[0], [1.5], "64", [True], {1, 64}, (b for b in (1, 64))],
+                         ids=["zero", "float", "str", "bool", "set", "generator"])
 def test_sparsify_refuses_bad_route_batches(route_batches):
     torch = pytest.importorskip("torch")
     import sparseconv.torch as sct
 
-    with pytest.raises(ValueError, match="route_batches must be positive batch sizes"):
+    with pytest.raises(ValueError, match="route_batches must be a list or tuple of positive batch sizes"):
         sct.sparsify(torch.nn.Conv2d(2, 2, 1), torch.zeros(1, 2, 4, 4), route_batches=route_batches)
+
+
+@pytest.mark.parametrize("route_batches", [None, (1, 64), [8], range(1, 3)])
+def test_route_batches_any_sequence_of_positive_ints_passes(route_batches):
+    """sparsify and compile_model share one check: a sequence of batch sizes
+    (a range too) or None passes it; the refusals are above."""
+    from sparseconv.routing import check_route_batches
+
+    check_route_batches(route_batches, "sparsify")
 
 
 @pytest.mark.parametrize("option", ["pools", "gemv", "table"])

@@ -125,7 +125,7 @@ def test_choose_route_sends_each_batch_to_the_faster_path():
 
 @pytest.mark.parametrize("bad", [[0], [1.5], "64", [True], 64])
 def test_compile_model_refuses_bad_route_batches_before_any_work(bad):
-    with pytest.raises(ValueError, match="compile_model: route_batches must be positive batch sizes"):
+    with pytest.raises(ValueError, match="compile_model: route_batches must be a list or tuple of positive batch"):
         compile_model(Path("no-such-file.onnx"), route_batches=bad)
 
 
