@@ -17,6 +17,7 @@ from .build import build_conv2d
 from .cache import ArtifactCache
 from .limits import check_layer
 from .parallel import LayerJob, build_many
+from .progress import StepLine
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
                      pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
@@ -243,14 +244,15 @@ def compile_linear(weight: Any, *, bias: Any = None, activation: str = "none",
 def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray], ConvShape]], *,
                    tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
                    cache_dir: Optional[str] = None, jobs: Optional[int] = None,
-                   progress: bool = False,
+                   progress: bool = True,
                    epilogues: Optional[Dict[str, Epilogue]] = None,
                    linears: Collection[str] = ()) -> Dict[str, Union[Conv2dKernel, LinearKernel]]:
     """Compile and load many (name, weight, bias, shape) layers on the current
     GPU; name -> kernel. Without tuning they build in parallel (a process pool),
     every batch variant of every layer (shapes.batch_variants); with
     tiling="auto" or backend="auto" each layer's candidates build in parallel,
-    one layer after another, then are timed. `epilogues`: name -> the
+    one layer after another, then are timed. `progress` (default on): a bar
+    or a line on stderr that names the layer being built or tuned. `epilogues`: name -> the
     epilogue fused into that layer (default: bias only). `linears`: the names
     of fully connected layers (weight (out, in) or (out, in, 1, 1), shape
     linear_shape(in, out)): built with linear_variants, returned as LinearKernel."""
@@ -260,19 +262,22 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
         if name in linears and shape != linear_shape(shape.in_channels, shape.out_channels):
             raise ValueError(f"{name}: a Linear layer's shape is linear_shape(in, out), got {shape.describe()}")
     if tiling == "auto" or backend == "auto":
-        for name, w, b, shape in layers:
-            ep = epilogues.get(name, Epilogue())
-            if name in linears:
-                kernels[name] = compile_linear(w.reshape(shape.out_channels, shape.in_channels), bias=b,
-                                               activation=ep.activation, clip=ep.clip, tiling=tiling,
-                                               backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                                               name=name)
-                continue
-            kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b, stride=shape.stride,
-                                           padding=shape.padding, dilation=shape.dilation, groups=shape.groups,
-                                           activation=ep.activation, clip=ep.clip, residual=ep.residual,
-                                           tiling=tiling, backend=backend, tune_batch=tune_batch,
-                                           cache_dir=cache_dir, name=name)
+        # one layer after another (each builds its candidates in parallel): minutes for a whole network
+        with StepLine(f"tuning (tiling={tiling}, backend={backend})", len(layers), progress) as line:
+            for name, w, b, shape in layers:
+                line.step(name)
+                ep = epilogues.get(name, Epilogue())
+                if name in linears:
+                    kernels[name] = compile_linear(w.reshape(shape.out_channels, shape.in_channels), bias=b,
+                                                   activation=ep.activation, clip=ep.clip, tiling=tiling,
+                                                   backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
+                                                   name=name)
+                    continue
+                kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b,
+                                               stride=shape.stride, padding=shape.padding, dilation=shape.dilation,
+                                               groups=shape.groups, activation=ep.activation, clip=ep.clip,
+                                               residual=ep.residual, tiling=tiling, backend=backend,
+                                               tune_batch=tune_batch, cache_dir=cache_dir, name=name)
         return kernels
 
     def variants(name: str, shape: ConvShape) -> List[Tuple[int, Tiling]]:

@@ -232,10 +232,11 @@ def write_bundle(out_dir: Path, model: PrunedModel, layers: Sequence[ConvLayer],
 
 def compile_bundle(model: PrunedModel, out_dir: Path, *, layers: Optional[Sequence[ConvLayer]] = None,
                    target: Optional[Target] = None, cache_dir: Optional[str] = None, jobs: Optional[int] = None,
-                   progress: bool = False, skipped: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+                   progress: bool = True, skipped: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """Build `layers` (default: all of the model's) in parallel and write
     them as a bundle into out_dir; the Python form of `sparseconv compile`.
-    The folder is checked before anything is built."""
+    The folder is checked before anything is built. progress (default on):
+    the build's bar on stderr; progress=False is silent."""
     target = target or Target()
     check_output_dir(out_dir)
     layers = list(model.layers if layers is None else layers)

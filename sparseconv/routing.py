@@ -94,6 +94,11 @@ def choose_route(time_both: Callable[[int], Tuple[float, float]], batches: Seque
     return RouteChoice(tuple(route_from_choices(choices)), tuple(times), note, tuple(table_times))
 
 
+def timing_label(table: bool) -> str:
+    """What routing times, as its progress line says (sparseconv.progress)."""
+    return f"timing {'sparseconv, table' if table else 'sparseconv'} vs cuDNN fp32"
+
+
 def check_route_batches(route_batches: object, who: str) -> None:
     """None, or a sequence (list, tuple, range) of positive int batch sizes; a
     ValueError that says so otherwise. A one-shot iterable is refused: the

@@ -40,7 +40,8 @@ from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
 from .pool import launch_max_pool
-from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route
+from .progress import StepLine
+from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route, timing_label
 from .runtime import DenseConv2dKernel
 from .table import MAX_TABLE_BATCH, routable_table
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
@@ -716,7 +717,6 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     torch = _torch_with_cuda()
     if torch is None:
         return {}, {}, {}, "not routed: torch with CUDA is not installed, so every conv runs its sparseconv kernel"
-    import click
     import cupy
 
     device = cupy.cuda.Device().id
@@ -728,59 +728,56 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     tables: Dict[str, Any] = {}
     # convs only: a Linear kernel (program.linears) keeps its kernel
     items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE and name in program.convs]
-    for i, (name, k) in enumerate(items):
-        if progress:
-            paths = "sparseconv, table" if table else "sparseconv"
-            click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
-        layer = program.convs[name]
-        cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
-        on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
-        notes: List[str] = []
+    with StepLine(timing_label(table), len(items), progress) as line:
+        for name, k in items:
+            line.step(name)
+            layer = program.convs[name]
+            cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
+            on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
+            notes: List[str] = []
 
-        def arrays(b: int) -> Tuple[Any, Any, Any]:
-            """Fresh random x (and residual, where the kernel adds one) of batch b, and an out."""
-            s = k.shape
-            x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
-            out = cupy.empty(k.output_shape(b), cupy.float32)
-            r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
-            return x, out, r
+            def arrays(b: int) -> Tuple[Any, Any, Any]:
+                """Fresh random x (and residual, where the kernel adds one) of batch b, and an out."""
+                s = k.shape
+                x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
+                out = cupy.empty(k.output_shape(b), cupy.float32)
+                r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+                return x, out, r
 
-        def time_both(b: int) -> Tuple[float, float]:
-            x, out, r = arrays(b)
-            t = {}
-            for path, fn in ((SPARSE, k), (DENSE, cudnn)):
-                # torch's allocations inside the timing graph stay in a pool of their own
-                ctx = torch.cuda.use_mem_pool(torch.cuda.MemPool(), device=device) if path == DENSE \
-                    else contextlib.nullcontext()
-                with ctx:
-                    t[path] = time_cold(lambda: fn(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
-                                        max_seconds=0.2, capture=cupy_graph)
-            if t[SPARSE].method == t[DENSE].method == "graph":
-                return t[SPARSE].us, t[DENSE].us
-            notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
-            return t[SPARSE].events_us, t[DENSE].events_us
+            def time_both(b: int) -> Tuple[float, float]:
+                x, out, r = arrays(b)
+                t = {}
+                for path, fn in ((SPARSE, k), (DENSE, cudnn)):
+                    # torch's allocations inside the timing graph stay in a pool of their own
+                    ctx = torch.cuda.use_mem_pool(torch.cuda.MemPool(), device=device) if path == DENSE \
+                        else contextlib.nullcontext()
+                    with ctx:
+                        t[path] = time_cold(lambda: fn(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
+                                            max_seconds=0.2, capture=cupy_graph)
+                if t[SPARSE].method == t[DENSE].method == "graph":
+                    return t[SPARSE].us, t[DENSE].us
+                notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
+                return t[SPARSE].events_us, t[DENSE].events_us
 
-        def time_table(b: int) -> Optional[float]:
-            if on_table is None or b > MAX_TABLE_BATCH:
-                return None
-            x, out, r = arrays(b)
-            return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
-                             max_seconds=0.2, capture=cupy_graph).us
+            def time_table(b: int) -> Optional[float]:
+                if on_table is None or b > MAX_TABLE_BATCH:
+                    return None
+                x, out, r = arrays(b)
+                return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
+                                 max_seconds=0.2, capture=cupy_graph).us
 
-        choice = choose_route(time_both, batches, time_table=time_table)
-        routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
-        taken = {path for _, path in choice.route}
-        if DENSE in taken:
-            dense[name] = cudnn
-        if TABLE in taken:
-            tables[name] = on_table
-    if progress and items:
-        click.echo("", err=True)
+            choice = choose_route(time_both, batches, time_table=time_table)
+            routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
+            taken = {path for _, path in choice.route}
+            if DENSE in taken:
+                dense[name] = cudnn
+            if TABLE in taken:
+                tables[name] = on_table
     return routes, dense, tables, ""
 
 
 def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
-                  jobs: Optional[int] = None, progress: bool = False, tiling: Optional[str] = None,
+                  jobs: Optional[int] = None, progress: bool = True, tiling: Optional[str] = None,
                   backend: str = "sparseconv", tune_batch: int = 64, cuda_graph: bool = False, fuse: bool = True,
                   route_batches: Optional[Sequence[int]] = (1, 64), table: bool = True) -> SparseModel:
     """Compile every Conv of an ONNX model (in parallel) and load the kernels on
@@ -798,7 +795,9 @@ def compile_model(path: Path, *, input_size: Optional[Tuple[int, int]] = None, c
     paths, the times and the graphs.
     fuse: fold BatchNormalization into the convs and fuse residual adds and
     Relu/Clip into their kernels (onnx_fuse.py); the plan says what was fused
-    per conv, and .program is the fused program."""
+    per conv, and .program is the fused program.
+    progress (default on): the build, the tuning and the routing each say on
+    stderr which layer they are at; progress=False is silent."""
     check_route_batches(route_batches, "compile_model")
     if not isinstance(table, bool):
         raise TypeError(f"compile_model: table must be True or False, got {table!r}")

@@ -28,7 +28,8 @@ from torch import nn
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, conv_padding, plan, prepare,
                  swap_dense_linears, swap_max_pools, swap_modules)
-from .routing import check_route_batches, choose_route, route_from_choices
+from .progress import StepLine
+from .routing import check_route_batches, choose_route, route_from_choices, timing_label
 from .shapes import ANY_BATCH, Epilogue
 from .table import MAX_TABLE_BATCH, routable_table
 from .tune import DENSE, SPARSE_EVENTS
@@ -126,8 +127,6 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     instead, a kernel's code stays in L2, and ResNet-50's batch-1 convs summed
     to 650 us alone but took 1,163 us inside the network
     (bench/network_profile.py, docs/PERFORMANCE.md)."""
-    import click
-
     from .timing import l2_flush, l2_scratch_floats, time_cold, torch_graph
 
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
@@ -135,49 +134,46 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     sizes = sorted(set(int(b) for b in batches))
     notes: Dict[str, str] = {}
     items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]
-    for i, (name, m) in enumerate(items):
-        if progress:
-            paths = "sparseconv, table" if table else "sparseconv"
-            click.echo(f"\rtiming {paths} vs cuDNN fp32: {i + 1}/{len(items)} {name[:40]:40s}", err=True, nl=False)
-        s = m.kernel.shape
+    with StepLine(timing_label(table), len(items), progress) as line:
+        for name, m in items:
+            line.step(name)
+            s = m.kernel.shape
 
-        def inputs(b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-            """Fresh random x of batch b, and a residual where the layer adds one."""
-            x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
-                else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
-            r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
-            return x, r
+            def inputs(b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                """Fresh random x of batch b, and a residual where the layer adds one."""
+                x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
+                    else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
+                r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+                return x, r
 
-        def time_both(b: int) -> Tuple[float, float]:
-            x, r = inputs(b)
-            us = []
-            for path in ("sparseconv", "dense"):
-                m.route = [(ANY_BATCH, path)]
-                us.append(time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
-                                    capture=torch_graph).us)
-            return us[0], us[1]
+            def time_both(b: int) -> Tuple[float, float]:
+                x, r = inputs(b)
+                us = []
+                for path in ("sparseconv", "dense"):
+                    m.route = [(ANY_BATCH, path)]
+                    us.append(time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                                        capture=torch_graph).us)
+                return us[0], us[1]
 
-        def time_table(b: int) -> Optional[float]:
-            if m.table is None or b > MAX_TABLE_BATCH:
-                return None
-            x, r = inputs(b)
-            m.route = [(ANY_BATCH, "table")]
-            return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
-                             capture=torch_graph).us
+            def time_table(b: int) -> Optional[float]:
+                if m.table is None or b > MAX_TABLE_BATCH:
+                    return None
+                x, r = inputs(b)
+                m.route = [(ANY_BATCH, "table")]
+                return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                                 capture=torch_graph).us
 
-        if table and isinstance(m, FusedConv2d):
-            import cupy
-            with cupy.cuda.Device(device.index):
-                m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
-        choice = choose_route(time_both, sizes, time_table=time_table)
-        m.route = list(choice.route)
-        if all(path != "table" for _, path in m.route):
-            m.table = None
-        # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
-        notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
-            else choice.describe()
-    if progress and items:
-        click.echo("", err=True)
+            if table and isinstance(m, FusedConv2d):
+                import cupy
+                with cupy.cuda.Device(device.index):
+                    m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
+            choice = choose_route(time_both, sizes, time_table=time_table)
+            m.route = list(choice.route)
+            if all(path != "table" for _, path in m.route):
+                m.table = None
+            # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
+            notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
+                else choice.describe()
     return notes
 
 

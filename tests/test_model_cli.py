@@ -234,3 +234,17 @@ def test_compile_bundle_api_writes_what_the_cli_writes(tmp_path, session_cache_d
     timing = {"seconds", "wall_s", "cache_hit"}
     strip = lambda m: [{k: v for k, v in e.items() if k not in timing} for e in m["layers"]]  # noqa: E731
     assert strip(json.loads(json.dumps(manifest))) == strip(json.loads((cli_out / "manifest.json").read_text()))
+
+
+@pytest.mark.nvcc
+def test_compile_bundle_shows_its_build_by_default(tmp_path, session_cache_dir, capfd):
+    """Long work shows progress by default in the Python API too: the build's
+    bar on stderr, naming the layers; progress=False is silent."""
+    from sparseconv.bundle import compile_bundle
+
+    model = load_model(write_npz(tmp_path / "m.npz"))
+    compile_bundle(model, tmp_path / "loud", cache_dir=str(session_cache_dir))
+    err = capfd.readouterr().err
+    assert "compiling 2 layers" in err
+    compile_bundle(model, tmp_path / "quiet", cache_dir=str(session_cache_dir), progress=False)
+    assert capfd.readouterr().err == ""

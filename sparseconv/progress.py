@@ -1,0 +1,38 @@
+"""Progress on stderr for long work done one layer at a time (timing each
+layer's paths, tuning each layer): one line, rewritten in place as each
+layer starts, ended with a newline when the work is done. The parallel build
+has its own bar (parallel.build_many)."""
+from __future__ import annotations
+
+import sys
+from typing import IO, Optional
+
+import click
+
+NAME_WIDTH = 40  # layer names are cut or padded to this, so the line keeps its length
+
+
+class StepLine:
+    """`with StepLine("timing", len(layers), enabled) as line: line.step(name)`
+    prints "\\rtiming: 3/53 layer1.1.conv2" for each layer; nothing at all
+    when not enabled or when there is nothing to do."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True, file: Optional[IO[str]] = None) -> None:
+        self.label = label
+        self.total = total
+        self.enabled = enabled and total > 0
+        self.file = file
+        self.done = 0
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if self.enabled:
+            click.echo(f"\r{self.label}: {self.done}/{self.total} {name[:NAME_WIDTH]:{NAME_WIDTH}s}",
+                       file=self.file or sys.stderr, nl=False)
+
+    def __enter__(self) -> "StepLine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled and self.done:
+            click.echo("", file=self.file or sys.stderr)

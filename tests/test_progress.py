@@ -1,0 +1,23 @@
+"""sparseconv.progress: the one-line progress of work done layer by layer."""
+import io
+
+from sparseconv.progress import NAME_WIDTH, StepLine
+
+
+def test_each_step_rewrites_the_line_and_the_end_closes_it():
+    out = io.StringIO()
+    with StepLine("timing", 2, file=out) as line:
+        line.step("layer1.0.conv1")
+        line.step("a" * (NAME_WIDTH + 10))  # cut to NAME_WIDTH, so the line keeps its length
+    steps = out.getvalue().split("\r")[1:]
+    assert steps[0] == f"timing: 1/2 {'layer1.0.conv1':{NAME_WIDTH}s}"
+    assert steps[1] == f"timing: 2/2 {'a' * NAME_WIDTH}\n"
+
+
+def test_silent_when_off_or_when_there_is_nothing_to_do():
+    for enabled, total in ((False, 3), (True, 0)):
+        out = io.StringIO()
+        with StepLine("tuning", total, enabled, file=out) as line:
+            for name in ["x"] * total:
+                line.step(name)
+        assert out.getvalue() == ""
