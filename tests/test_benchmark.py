@@ -313,10 +313,43 @@ def test_plot_of_a_sweep(tmp_path):
     rows = [_row(name, b, sp, {"sparseconv": 10.0 * (1 - sp) + 1, "cusparse_spmm": 20.0})
             for name in ("a", "b") for b in (1, 64) for sp in (0.5, 0.9)]
     out = tmp_path / "sweep.png"
-    assert bm.plot_sweep(_result(rows), str(out)) == "cusparse_spmm"  # no cuDNN in these rows: falls back
+    assert bm.plot_sweep(_result(rows), str(out)) == ("cusparse_spmm",)  # no cuDNN in these rows: falls back
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="sweep"):
         bm.plot_sweep(_result(rows[:1]), str(out))
+
+
+@pytest.mark.parametrize("batches", [(64,), (1, 64)])
+def test_sweep_plot_puts_tf32_beside_fp32_and_clips_no_text(batches):
+    """One row of panels per batch, cuDNN fp32 and TF32 side by side on one
+    scale; every title and label inside the figure, also with a single batch
+    (one narrow row), where the old one-line title was cut at both ends."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [_row(name, b, sp, {"sparseconv": 10.0 * (1 - sp) + 1, "cudnn_fp32": 20.0, "cudnn_tf32": 8.0})
+            for name in ("resnet-conv2", "googlenet-conv2") for b in batches for sp in (0.5, 0.9)]
+    result = _result(rows)
+    result.meta["device"] = "NVIDIA H100 80GB HBM3"
+    fig, baselines = bm.sweep_figure(json.loads(json.dumps(result.to_dict())))  # as bench --json wrote it
+    try:
+        assert baselines == ("cudnn_fp32", "cudnn_tf32")
+        axes = fig.get_axes()
+        assert [ax.get_title() for ax in axes] == [f"over cuDNN {p}, batch {b}" for b in batches for p in ("fp32", "TF32")]
+        for left, right in zip(axes[::2], axes[1::2]):  # side by side, one y scale
+            assert left.get_position().x1 <= right.get_position().x0
+            assert left.get_ylim() == right.get_ylim()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        page = fig.bbox
+        texts = [fig._suptitle] + [t for ax in axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label)]
+        for text in texts:
+            box = text.get_window_extent(renderer)
+            assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, \
+                text.get_text()
+        assert "NVIDIA H100 80GB HBM3, 2026-11-22" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
 
 
 def test_torch_flags_are_restored():

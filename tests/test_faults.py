@@ -937,6 +937,51 @@ def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, nee
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+def _sweep_doc(sparsities=(0.5, 0.9)):
+    """A saved sweep, as `sparseconv bench --sweep --json` writes its rows."""
+    rows = [dict(layer="resnet-conv2", batch=64, sparsity=sp, speedup={"cudnn_fp32": 3 * sp, "cudnn_tf32": sp})
+            for sp in sparsities]
+    return dict(meta=dict(device="Test GPU", date="2026-11-27"), rows=rows)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "cannot read a bench result"),
+    ("damaged", "cannot read a bench result"),
+    ("not bench", "not a result of `sparseconv bench --json`"),
+    ("one sparsity", "the plot needs a sweep: at least two sparsities"),
+    ("out not png", "the plot is a PNG; name it *.png"),
+    ("out folder", "folder /nonexistent-folder does not exist"),
+])
+def test_replot_sweep_refuses_bad_input_and_writes_nothing(case, needle, tmp_path):
+    """bench/replot_sweep.py: exit 2 with one line naming the file and what
+    was expected; no PNG (nor a temporary one) left behind."""
+    results, out = tmp_path / "r.json", tmp_path / "s.png"
+    doc = {"one sparsity": _sweep_doc((0.9,)), "not bench": {"rows": [{"layer": "a"}]}}.get(case, _sweep_doc())
+    if case == "damaged":
+        results.write_text(json.dumps(doc)[:-20])
+    elif case != "missing":
+        results.write_text(json.dumps(doc))
+    out = {"out not png": tmp_path / "s.jpg", "out folder": Path("/nonexistent-folder/s.png")}.get(case, out)
+    r = _bench("bench/replot_sweep.py", str(results), "--out", str(out))
+    named = str(out) if case.startswith("out") else str(results)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {'--out ' if case.startswith('out') else ''}{named}: ") and needle in r.stderr
+    assert r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if case == "missing" else ["r.json"])
+
+
+def test_replot_sweep_draws_a_saved_sweep(tmp_path):
+    """The good path: the PNG of a saved sweep, fp32 and TF32 named."""
+    pytest.importorskip("matplotlib")
+    results, out = tmp_path / "r.json", tmp_path / "s.png"
+    results.write_text(json.dumps(_sweep_doc()))
+    r = _bench("bench/replot_sweep.py", str(results), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"wrote {out} (speedup over cuDNN fp32 and cuDNN TF32)"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "s.png"]
+
+
 @pytest.mark.parametrize("args", [["--blocks-per-sm", "0"], ["--threads", "100"], ["--waves", "0"], ["--spin-us", "0"]])
 def test_dispatch_probe_refuses_bad_options_before_touching_the_gpu(args):
     """bench/dispatch_probe.py: one line naming every bound, exit 2."""

@@ -31,10 +31,12 @@ and only the PNG plot needs matplotlib.
 The package: rows.py (the row record, the floor), baselines.py (cuDNN, cuBLAS,
 cuSPARSE, im2col), run.py (run_bench), report.py (geomeans, the summary by
 layer class, the table, the plot), cli.py (the click command)."""
-from .report import BenchResult, class_summary, format_table, geomean, geomean_speedups, layer_class, plot_sweep
+from .report import (BenchResult, class_summary, format_table, geomean, geomean_speedups, layer_class, plot_sweep,
+                     sweep_figure)
 from .rows import BASELINES, MAX_REL_L2, PATHS, BenchError, BenchRow, Check, floor_us
 from .run import BenchConfig, BenchLayer, benchmark_layers, layer_weight, model_bench_layers, run_bench, select_layers
 
 __all__ = ["BASELINES", "MAX_REL_L2", "PATHS", "BenchConfig", "BenchError", "BenchLayer", "BenchResult", "BenchRow",
            "Check", "benchmark_layers", "class_summary", "floor_us", "format_table", "geomean", "geomean_speedups",
-           "layer_class", "layer_weight", "model_bench_layers", "plot_sweep", "run_bench", "select_layers"]
+           "layer_class", "layer_weight", "model_bench_layers", "plot_sweep", "run_bench", "select_layers",
+           "sweep_figure"]

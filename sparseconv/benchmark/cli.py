@@ -16,7 +16,7 @@ from ..cli_options import (cache_dir_option, format_option, input_size_option, i
 from ..compile import CompileError, ToolNotFoundError
 from .network import VARIANTS as NETWORK_VARIANTS
 from .network import network_command
-from .report import BenchResult, format_table, plot_sweep, require_matplotlib
+from .report import LABELS, BenchResult, format_table, plot_sweep, require_matplotlib
 from ..table import MAX_TABLE_BATCH
 from .rows import BASELINES, PATHS, BenchError
 from .run import BenchConfig, BenchLayer, benchmark_layers, model_bench_layers, run_bench, select_layers
@@ -108,7 +108,8 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the environment, every row and the geomeans to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG of speedup over cuDNN fp32 against sparsity (needs a sweep and matplotlib).")
+              help="Write a PNG of speedup against sparsity, over cuDNN fp32 and TF32 side by side "
+                   "(needs a sweep and matplotlib); with --network, a bar chart of every variant.")
 @cache_dir_option
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel kernel builds (default: CPU count).")
 @click.pass_context
@@ -174,7 +175,7 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
         click.echo(f"wrote {json_path}", err=True)
     if plot_path is not None:
         plotted = plot_sweep(result, str(plot_path))
-        click.echo(f"wrote {plot_path} (speedup over {plotted})", err=True)
+        click.echo(f"wrote {plot_path} (speedup over {' and '.join(LABELS[b] for b in plotted)})", err=True)
     failed = [r for r in result.rows if not r.checks_ok]
     if failed:
         click.echo(f"error: {len(failed)} rows failed a correctness check (rel. L2 above the limit); "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..shapes import ConvShape
 from .rows import BASELINES, PATHS, BenchError, BenchRow
@@ -210,45 +210,62 @@ def require_matplotlib() -> Any:
     return matplotlib
 
 
-def plot_sweep(result: BenchResult, path: str, baseline: str = "cudnn_fp32") -> str:
-    """PNG like the paper's Fig. 11: speedup over `baseline` against sparsity, one
-    line per layer, one subplot per batch. Falls back to another baseline when
-    the run has none of `baseline`; returns the baseline plotted."""
+# The sweep plot puts these side by side when the run timed them: exact cuDNN and what PyTorch runs by default.
+SWEEP_BASELINES = ("cudnn_fp32", "cudnn_tf32")
+
+
+def plot_sweep(result: BenchResult, path: str) -> Tuple[str, ...]:
+    """PNG like the paper's Fig. 11 (sweep_figure); returns the baselines plotted."""
+    import matplotlib.pyplot as plt
+
+    fig, baselines = sweep_figure(result.to_dict())
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return baselines
+
+
+def sweep_figure(doc: Mapping[str, Any]) -> Tuple[Any, Tuple[str, ...]]:
+    """Speedup against sparsity, one line per layer: a row of panels per batch
+    size, cuDNN fp32 and cuDNN TF32 side by side in each row on one y scale
+    (whichever of them the run timed; else the first baseline it has).
+    `doc` is a result as `bench --json` writes it (BenchResult.to_dict), so a
+    saved run can be drawn again (bench/replot_sweep.py). Returns the
+    matplotlib figure (Agg backend) and the baselines plotted."""
     mpl = require_matplotlib()
     mpl.use("Agg")
     import matplotlib.pyplot as plt  # optional extra: imported only when a plot is asked for
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    rows = [r for r in result.rows if r.sparsity is not None]
-    if len({r.sparsity for r in rows}) < 2:
+    rows = [r for r in doc["rows"] if r["sparsity"] is not None]
+    if len({r["sparsity"] for r in rows}) < 2:
         raise ValueError("the plot needs a sweep: at least two sparsities of random masks")
-    present = [b for b in BASELINES if any(b in r.speedup for r in rows)]
+    present = [b for b in BASELINES if any(b in r["speedup"] for r in rows)]
     if not present:
         raise ValueError("the plot needs at least one baseline timed next to sparseconv")
-    if baseline not in present:
-        baseline = present[0]
-    batches = sorted({r.batch for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
-    layers = list(dict.fromkeys(r.layer for r in rows))
-    for ax, batch in zip(axes[0], batches):
-        for name in layers:
-            pts = sorted((r.sparsity, r.speedup[baseline]) for r in rows
-                         if r.layer == name and r.batch == batch and baseline in r.speedup)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("weight sparsity")
-        ax.set_ylabel(f"speedup over {LABELS[baseline]}")
-        ax.set_title(f"batch {batch}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"sparseconv vs {LABELS[baseline]}: {result.meta.get('device', '?')}, "
-                 f"{result.meta.get('date', '?')[:10]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return baseline
+    baselines = tuple(b for b in SWEEP_BASELINES if b in present) or (present[0],)
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(len(batches), len(baselines), figsize=(5.2 * len(baselines), 3.9 * len(batches)),
+                             squeeze=False, sharey="row", constrained_layout=True)
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    for row_axes, batch in zip(axes, batches):
+        for ax, baseline in zip(row_axes, baselines):
+            for name in layers:
+                pts = sorted((r["sparsity"], r["speedup"][baseline]) for r in rows
+                             if r["layer"] == name and r["batch"] == batch and baseline in r["speedup"])
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("weight sparsity")
+            ax.set_ylabel("speedup (higher is better)")
+            ax.set_title(f"over {LABELS[baseline]}, batch {batch}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8, loc="best")
+    # two short lines: a long one is cut off when the figure has a single column
+    meta = doc.get("meta", {})
+    fig.suptitle(f"sparseconv speedup against weight sparsity\n{meta.get('device', '?')}, "
+                 f"{str(meta.get('date', '?'))[:10]}", fontsize=10)
+    return fig, baselines
