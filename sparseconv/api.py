@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from .build import build_conv2d
 from .cache import ArtifactCache
 from .limits import check_layer
 from .parallel import LayerJob, build_many
-from .progress import StepLine
+from .progress import StepLine, count_line
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
                      pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
@@ -58,12 +58,24 @@ def _bias(bias: Any, shape: ConvShape, name: str) -> Optional[np.ndarray]:
     return b
 
 
+def _check_progress(progress: object, name: str) -> None:
+    if not isinstance(progress, bool):
+        raise TypeError(f"{name}: progress must be True or False, got {progress!r}")
+
+
+def _ptxas_count(name: str, variant: int, variants: int, progress: bool) -> Optional[Callable[[int, int], None]]:
+    """The stderr counter of one variant's ptxas functions (progress.count_line)."""
+    which = f" (variant {variant + 1} of {variants})" if variants > 1 else ""
+    return count_line(f"{name}{which}: ptxas, functions assembled", progress)
+
+
 def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
                    padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
                    activation: str = "none", clip: Optional[Tuple[float, float]] = None, residual: bool = False,
                    tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
                    tune_batch: int = 64, cache_dir: Union[str, None] = None,
-                   name: str = "conv", target: Union[Target, str, None] = None) -> Conv2dKernel:
+                   name: str = "conv", target: Union[Target, str, None] = None,
+                   progress: bool = True) -> Conv2dKernel:
     """Compile a pruned conv layer into a kernel specialised to its weights.
 
     weight: (K, C/groups, R, S) floats (NumPy, CuPy or torch), zeros where pruned.
@@ -88,9 +100,14 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     backend: "sparseconv", or "auto" (opt-in): also time cuDNN strict fp32
     (needs torch) and return a DenseConv2dKernel where it was faster. Tuning
     results are cached, so a second compile does not tune again;
-    kernel.stats["tuning"] holds the times and the choice."""
+    kernel.stats["tuning"] holds the times and the choice.
+
+    progress (default on): a big layer's assembly (minutes, on few cores)
+    counts its functions on stderr, and tuning draws its build's bar; cached
+    and small builds print nothing. progress=False is silent."""
     if backend not in ("sparseconv", "auto"):
         raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
+    _check_progress(progress, name)
     try:
         epilogue = Epilogue(activation, clip, residual)
     except (ValueError, TypeError) as exc:
@@ -109,7 +126,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     if tiling == "auto" or backend == "auto":
         candidates = None if tiling == "auto" else [tiling or default_tiling(shape)]
         layer, tuning = tune_conv2d(w, shape, b, target=target, cache=cache, name=name, batch=tune_batch,
-                                    tilings=candidates, consider_dense=backend == "auto", epilogue=epilogue)
+                                    tilings=candidates, consider_dense=backend == "auto", epilogue=epilogue,
+                                    progress=progress)
         variants = [(ANY_BATCH, layer)]
     else:
         chosen = [(ANY_BATCH, tiling)] if isinstance(tiling, Tiling) else batch_variants(shape, default_tiling(shape))
@@ -119,7 +137,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
             except ValueError as exc:  # LimitError too
                 raise type(exc)(f"{name}: {exc}") from None
         variants = [(up_to, build_conv2d(w, shape, tiling=t, target=target, cache=cache, name=name,
-                                         epilogue=epilogue)) for up_to, t in chosen]
+                                         epilogue=epilogue, on_function=_ptxas_count(name, i, len(chosen), progress)))
+                    for i, (up_to, t) in enumerate(chosen)]
     t = time.perf_counter()
     kernel = DenseConv2dKernel(variants[-1][1], b, w) if tuning and tuning.backend == DENSE \
         else Conv2dKernel(variants, b)
@@ -202,7 +221,8 @@ def _linear_weight(weight: Any, name: str) -> np.ndarray:
 def compile_linear(weight: Any, *, bias: Any = None, activation: str = "none",
                    clip: Optional[Tuple[float, float]] = None, tiling: Union[Tiling, str, None] = None,
                    backend: str = "sparseconv", tune_batch: int = 64, cache_dir: Union[str, None] = None,
-                   name: str = "linear", target: Union[Target, str, None] = None) -> LinearKernel:
+                   name: str = "linear", target: Union[Target, str, None] = None,
+                   progress: bool = True) -> LinearKernel:
     """Compile a pruned fully connected layer, y = act(x @ weight.T + bias),
     into a kernel specialised to its weights (the pointwise family: a 1x1 conv
     on a 1x1 input, the batch as pixels; linear_variants).
@@ -212,13 +232,15 @@ def compile_linear(weight: Any, *, bias: Any = None, activation: str = "none",
     transpose). bias: (out_features,) or None. Returns a LinearKernel:
     kernel(x) maps an (N, in_features) float32 CUDA array to (N, out_features);
     the batch is free at call time. activation, clip, tiling, backend,
-    tune_batch, cache_dir and target as compile_conv2d."""
+    tune_batch, cache_dir, target and progress as compile_conv2d."""
+    _check_progress(progress, name)
     w = _linear_weight(weight, name)
     out_features, in_features = w.shape
     w4 = w.reshape(out_features, in_features, 1, 1)
     if tiling is not None or backend != "sparseconv":  # a given tiling, or tuning: compile_conv2d's way
         conv = compile_conv2d(w4, input_size=1, bias=bias, activation=activation, clip=clip, tiling=tiling,
-                              backend=backend, tune_batch=tune_batch, cache_dir=cache_dir, name=name, target=target)
+                              backend=backend, tune_batch=tune_batch, cache_dir=cache_dir, name=name, target=target,
+                              progress=progress)
         return LinearKernel(conv)
     # compile_conv2d's argument checks (same messages), then the Linear variants
     try:
@@ -233,8 +255,9 @@ def compile_linear(weight: Any, *, bias: Any = None, activation: str = "none",
         check_layer(shape, t)
     cache = ArtifactCache(cache_dir)
     target = target or device_target()
-    built = [(up_to, build_conv2d(w4, shape, tiling=t, target=target, cache=cache, name=name, epilogue=epilogue))
-             for up_to, t in variants]
+    built = [(up_to, build_conv2d(w4, shape, tiling=t, target=target, cache=cache, name=name, epilogue=epilogue,
+                                  on_function=_ptxas_count(name, i, len(variants), progress)))
+             for i, (up_to, t) in enumerate(variants)]
     t0 = time.perf_counter()
     conv = Conv2dKernel(built, b)
     conv.stats["seconds"] = dict(conv.stats["seconds"], load=time.perf_counter() - t0)
@@ -271,13 +294,14 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
                     kernels[name] = compile_linear(w.reshape(shape.out_channels, shape.in_channels), bias=b,
                                                    activation=ep.activation, clip=ep.clip, tiling=tiling,
                                                    backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                                                   name=name)
+                                                   name=name, progress=False)
                     continue
                 kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b,
                                                stride=shape.stride, padding=shape.padding, dilation=shape.dilation,
                                                groups=shape.groups, activation=ep.activation, clip=ep.clip,
                                                residual=ep.residual, tiling=tiling, backend=backend,
-                                               tune_batch=tune_batch, cache_dir=cache_dir, name=name)
+                                               tune_batch=tune_batch, cache_dir=cache_dir, name=name,
+                                               progress=False)  # the line above names the layer
         return kernels
 
     def variants(name: str, shape: ConvShape) -> List[Tuple[int, Tiling]]:

@@ -12,7 +12,7 @@ import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .compile import ToolNotFoundError, find_tool, run_tool
 from .ptx import parse_module
@@ -51,11 +51,15 @@ def split_module(ptx: str) -> List[str]:
 
 
 def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None,
-                   max_registers: int = 255, opt_level: int = 3) -> bytes:
+                   max_registers: int = 255, opt_level: int = 3,
+                   on_function: Optional[Callable[[int, int], None]] = None) -> bytes:
     """ptxas (+ nvlink): PTX text -> cubin bytes. Raises CompileError carrying the log.
     max_registers caps every function: separately compiled functions do not see
     the entry's __launch_bounds__, and the kernel needs the most any of them uses.
-    opt_level is ptxas's -O level (Tiling.ptxas_level)."""
+    opt_level is ptxas's -O level (Tiling.ptxas_level). on_function(done, total)
+    is told how many of a split module's functions are assembled, from (0, total)
+    on: the minutes a big layer takes (a module of one or two functions, which
+    takes seconds, reports nothing)."""
     ptxas = find_tool("ptxas")
     flags = [f"-arch={target.arch}", f"-O{opt_level}", f"-maxrregcount={max_registers}"]
     try:
@@ -78,8 +82,13 @@ def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = No
                      pieces[i], f"{what}, function {i}")
             return str(obj)
 
+        report = on_function or (lambda done, total: None)
+        report(0, len(pieces))
+        objects: List[str] = []
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            objects = list(pool.map(compile_piece, range(len(pieces))))
+            for obj in pool.map(compile_piece, range(len(pieces))):  # in order, each as soon as it is done
+                objects.append(obj)
+                report(len(objects), len(pieces))
         run_tool([str(nvlink), f"-arch={target.arch}", *objects, "-o", str(cubin)], "", f"{what} (nvlink)")
         return cubin.read_bytes()
 

@@ -10,7 +10,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -122,9 +122,11 @@ def _cached_artifact(cache: ArtifactCache, index: dict, suffix: str, assembler: 
 
 def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tiling] = None,
                  target: Optional[Target] = None, cache: Optional[ArtifactCache] = None,
-                 name: str = "conv", epilogue: Epilogue = Epilogue()) -> CompiledLayer:
+                 name: str = "conv", epilogue: Epilogue = Epilogue(),
+                 on_function: Optional[Callable[[int, int], None]] = None) -> CompiledLayer:
     """Specialise `weight` (K, C/groups, R, S float32) for `shape`; cached at every stage.
-    `epilogue` is applied at the store (residual add, activation)."""
+    `epilogue` is applied at the store (residual add, activation). on_function:
+    assemble_cubin's progress callback, for a build that is not in the cache."""
     tiling = tiling or default_tiling(shape)
     target = target or Target()
     if tiling.slice_sum == "cluster" and not target.has_clusters:
@@ -172,7 +174,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
 
     t = time.perf_counter()
     artifact = assemble_cubin(ptx, target, what, max_registers=tiling.max_registers,
-                              opt_level=tiling.ptxas_level) if use_ptxas else ptx.encode()
+                              opt_level=tiling.ptxas_level, on_function=on_function) if use_ptxas else ptx.encode()
     seconds["assemble"] = time.perf_counter() - t
 
     akey = artifact_key(ptx_sha, assembler, tiling) if use_ptxas else ptx_sha

@@ -5,7 +5,7 @@ has its own bar (parallel.build_many)."""
 from __future__ import annotations
 
 import sys
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 import click
 
@@ -36,3 +36,17 @@ class StepLine:
     def __exit__(self, *exc: object) -> None:
         if self.enabled and self.done:
             click.echo("", file=self.file or sys.stderr)
+
+
+def count_line(label: str, enabled: bool = True,
+               file: Optional[IO[str]] = None) -> Optional[Callable[[int, int], None]]:
+    """A callback for work that reports (done, total), as assemble_cubin does:
+    "\\rlabel: done/total" rewritten in place, ended when done reaches total;
+    None when not enabled (the callee then reports to no one)."""
+    if not enabled:
+        return None
+
+    def report(done: int, total: int) -> None:
+        click.echo(f"\r{label}: {done}/{total}", file=file or sys.stderr, nl=done >= total)
+
+    return report

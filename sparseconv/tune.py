@@ -61,10 +61,11 @@ SPARSE_EVENTS = "sparseconv (events)"
 def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray], *, target: Target,
                 cache: ArtifactCache, name: str, batch: int = 64, tilings: Optional[List[Tiling]] = None,
                 consider_dense: bool = False, jobs: Optional[int] = None,
-                epilogue: Epilogue = Epilogue()) -> Tuple[CompiledLayer, TuningResult]:
+                epilogue: Epilogue = Epilogue(), progress: bool = False) -> Tuple[CompiledLayer, TuningResult]:
     """Time each candidate tiling (default: shapes.candidate_tilings plus the
     default) and, with consider_dense, cuDNN strict fp32; return the fastest
-    sparse build and the choice. Needs a GPU (the current CuPy device)."""
+    sparse build and the choice. Needs a GPU (the current CuPy device).
+    progress: the candidates' build bar on stderr."""
     import cupy
 
     if not tilings:
@@ -83,7 +84,7 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
 
     t0 = time.perf_counter()
     built = build_many([LayerJob(f"{name}#{i}", weight, shape, t, epilogue) for i, t in enumerate(tilings)],
-                       target=target, cache_dir=str(cache.root), workers=jobs, progress=False)
+                       target=target, cache_dir=str(cache.root), workers=jobs, progress=progress)
     rng = np.random.default_rng()
     x = cupy.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
     out = cupy.empty((batch, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)

@@ -99,6 +99,7 @@ def test_specialised_linear_computes_relu_x_wt_plus_b(cin, cout, which):
     (dict(target=90), TypeError, "fc1: target must be a sparseconv.Target"),
     (dict(tiling="fast"), ValueError, "fc1: tiling must be a Tiling, None or 'auto'"),
     (dict(backend="cublas"), ValueError, "fc1: backend must be 'sparseconv' or 'auto'"),
+    (dict(progress=1), TypeError, "fc1: progress must be True or False, got 1"),
 ])
 def test_compile_linear_refuses_bad_arguments_before_building(tmp_path, kwargs, error, needle):
     args = dict(weight=np.ones((4, 3), np.float32), name="fc1", cache_dir=str(tmp_path), target="sm_90")

@@ -1,7 +1,7 @@
 """sparseconv.progress: the one-line progress of work done layer by layer."""
 import io
 
-from sparseconv.progress import NAME_WIDTH, StepLine
+from sparseconv.progress import NAME_WIDTH, StepLine, count_line
 
 
 def test_each_step_rewrites_the_line_and_the_end_closes_it():
@@ -21,3 +21,14 @@ def test_silent_when_off_or_when_there_is_nothing_to_do():
             for name in ["x"] * total:
                 line.step(name)
         assert out.getvalue() == ""
+
+
+def test_count_line_counts_in_place_and_ends_at_the_total():
+    out = io.StringIO()
+    report = count_line("fc7: ptxas, functions assembled", file=out)
+    for done in range(3):
+        report(done, 2)
+    assert out.getvalue() == ("\rfc7: ptxas, functions assembled: 0/2\rfc7: ptxas, functions assembled: 1/2"
+                              "\rfc7: ptxas, functions assembled: 2/2\n")
+    assert count_line("quiet", enabled=False) is None
+

@@ -196,6 +196,37 @@ def test_split_module_compiles_separately_and_links():
     assert assemble_cubin(ptx, Target(), "depthwise")[:4] == b"\x7fELF"
 
 
+def test_assemble_reports_each_function_of_a_split_module():
+    """assemble_cubin tells its caller how far a split module's ptxas got:
+    (0, n) first, then once per function in order, up to (n, n)."""
+    rendered, tptx = template("depthwise")
+    w = pruned_weight(np.random.default_rng(0), rendered.shape.weight_shape, 0.5)
+    ptx, _ = specialise(tptx, rendered, w)
+    n = len(split_module(ptx))
+    assert n > 2
+    calls = []
+    cubin = assemble_cubin(ptx, Target(), "depthwise", on_function=lambda done, total: calls.append((done, total)))
+    assert cubin[:4] == b"\x7fELF"
+    assert calls == [(done, n) for done in range(n + 1)]
+
+
+def test_a_cached_build_reports_no_assembly(tmp_path):
+    """build_conv2d passes the callback to ptxas only when it assembles:
+    the second build of the same layer comes from the cache, silently."""
+    from sparseconv.build import build_conv2d
+    from sparseconv.cache import ArtifactCache
+
+    shape, _ = LAYERS["depthwise"]
+    w = pruned_weight(np.random.default_rng(1), shape.weight_shape, 0.5)
+    cache = ArtifactCache(str(tmp_path))
+    calls = []
+    first = build_conv2d(w, shape, target=Target(), cache=cache, on_function=lambda *c: calls.append(c))
+    assert calls and calls[-1][0] == calls[-1][1] and not first.stats["kernel_cache_hit"]
+    calls.clear()
+    again = build_conv2d(w, shape, target=Target(), cache=cache, on_function=lambda *c: calls.append(c))
+    assert again.stats["kernel_cache_hit"] and calls == []
+
+
 @pytest.mark.parametrize("op", benchmark_operators(), ids=lambda o: o.name)
 def test_benchmark_layer_templates_compile_and_analyse(op):
     r = render(op.shape, default_tiling(op.shape))
