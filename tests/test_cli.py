@@ -40,6 +40,23 @@ def test_layer_builds_and_reports(tmp_path, weight_file):
     assert "0 entries" in CliRunner().invoke(main, ["cache", "ls", "--cache-dir", str(cache)]).output
 
 
+@pytest.mark.nvcc
+def test_layer_counts_a_split_modules_ptxas_functions(tmp_path):
+    """A layer of several k-blocks is assembled function by function; the
+    command counts them on stderr, and --json keeps stderr quiet."""
+    path = tmp_path / "wide.npy"
+    np.save(path, pruned_weight(np.random.default_rng(1), (160, 4, 3, 3), 0.8))
+    args = ["layer", str(path), "--input-size", "8", "--padding", "1", "--cache-dir"]
+    r = CliRunner().invoke(main, args + [str(tmp_path / "cache")])
+    assert r.exit_code == 0, r.output
+    counts = [part for part in r.stderr.split("\r") if part]
+    assert counts[0] == "wide: ptxas, functions assembled: 0/" + counts[-1].split("/")[1].strip()
+    done, total = counts[-1].rsplit(": ", 1)[1].strip().split("/")
+    assert done == total and int(total) > 2 and counts[-1].endswith("\n")
+    quiet = CliRunner().invoke(main, args + [str(tmp_path / "cache2"), "--json"])  # assembles again, quietly
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
 @pytest.mark.parametrize("args, message", [
     (["--input-size", "abc"], "--input-size"),
     (["--input-size", "2"], "output would be empty"),
