@@ -275,8 +275,9 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
     every batch variant of every layer (shapes.batch_variants); with
     tiling="auto" or backend="auto" each layer's candidates build in parallel,
     one layer after another, then are timed. `progress` (default on): a bar
-    or a line on stderr that names the layer being built or tuned. `epilogues`: name -> the
-    epilogue fused into that layer (default: bias only). `linears`: the names
+    or a line on stderr that names the layer being built or tuned.
+    `epilogues`: name -> the epilogue fused into that layer (default: bias
+    only). `linears`: the names
     of fully connected layers (weight (out, in) or (out, in, 1, 1), shape
     linear_shape(in, out)): built with linear_variants, returned as LinearKernel."""
     epilogues = epilogues or {}

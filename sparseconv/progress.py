@@ -15,7 +15,8 @@ NAME_WIDTH = 40  # layer names are cut or padded to this, so the line keeps its 
 class StepLine:
     """`with StepLine("timing", len(layers), enabled) as line: line.step(name)`
     prints "\\rtiming: 3/53 layer1.1.conv2" for each layer; nothing at all
-    when not enabled or when there is nothing to do."""
+    when not enabled or when there is nothing to do. Without `with`, close()
+    ends the line."""
 
     def __init__(self, label: str, total: int, enabled: bool = True, file: Optional[IO[str]] = None) -> None:
         self.label = label
@@ -30,12 +31,17 @@ class StepLine:
             click.echo(f"\r{self.label}: {self.done}/{self.total} {name[:NAME_WIDTH]:{NAME_WIDTH}s}",
                        file=self.file or sys.stderr, nl=False)
 
+    def close(self) -> None:
+        """End the line (once), if anything was printed on it."""
+        if self.enabled and self.done:
+            click.echo("", file=self.file or sys.stderr)
+            self.enabled = False
+
     def __enter__(self) -> "StepLine":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.enabled and self.done:
-            click.echo("", file=self.file or sys.stderr)
+        self.close()
 
 
 def count_line(label: str, enabled: bool = True,

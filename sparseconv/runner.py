@@ -728,51 +728,52 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
     tables: Dict[str, Any] = {}
     # convs only: a Linear kernel (program.linears) keeps its kernel
     items = [(name, k) for name, k in kernels.items() if k.backend == SPARSE and name in program.convs]
-    with StepLine(timing_label(table), len(items), progress) as line:
-        for name, k in items:
-            line.step(name)
-            layer = program.convs[name]
-            cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
-            on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
-            notes: List[str] = []
+    line = StepLine(timing_label(table), len(items), progress)
+    for name, k in items:
+        line.step(name)
+        layer = program.convs[name]
+        cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
+        on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
+        notes: List[str] = []
 
-            def arrays(b: int) -> Tuple[Any, Any, Any]:
-                """Fresh random x (and residual, where the kernel adds one) of batch b, and an out."""
-                s = k.shape
-                x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
-                out = cupy.empty(k.output_shape(b), cupy.float32)
-                r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
-                return x, out, r
+        def arrays(b: int) -> Tuple[Any, Any, Any]:
+            """Fresh random x (and residual, where the kernel adds one) of batch b, and an out."""
+            s = k.shape
+            x = cupy.random.standard_normal((b, s.in_channels, s.in_h, s.in_w), dtype=cupy.float32)
+            out = cupy.empty(k.output_shape(b), cupy.float32)
+            r = cupy.random.standard_normal(out.shape, dtype=cupy.float32) if k.epilogue.residual else None
+            return x, out, r
 
-            def time_both(b: int) -> Tuple[float, float]:
-                x, out, r = arrays(b)
-                t = {}
-                for path, fn in ((SPARSE, k), (DENSE, cudnn)):
-                    # torch's allocations inside the timing graph stay in a pool of their own
-                    ctx = torch.cuda.use_mem_pool(torch.cuda.MemPool(), device=device) if path == DENSE \
-                        else contextlib.nullcontext()
-                    with ctx:
-                        t[path] = time_cold(lambda: fn(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
-                                            max_seconds=0.2, capture=cupy_graph)
-                if t[SPARSE].method == t[DENSE].method == "graph":
-                    return t[SPARSE].us, t[DENSE].us
-                notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
-                return t[SPARSE].events_us, t[DENSE].events_us
+        def time_both(b: int) -> Tuple[float, float]:
+            x, out, r = arrays(b)
+            t = {}
+            for path, fn in ((SPARSE, k), (DENSE, cudnn)):
+                # torch's allocations inside the timing graph stay in a pool of their own
+                ctx = torch.cuda.use_mem_pool(torch.cuda.MemPool(), device=device) if path == DENSE \
+                    else contextlib.nullcontext()
+                with ctx:
+                    t[path] = time_cold(lambda: fn(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
+                                        max_seconds=0.2, capture=cupy_graph)
+            if t[SPARSE].method == t[DENSE].method == "graph":
+                return t[SPARSE].us, t[DENSE].us
+            notes.append(f"batch {b} timed by CUDA events: {t[SPARSE].note or t[DENSE].note}")
+            return t[SPARSE].events_us, t[DENSE].events_us
 
-            def time_table(b: int) -> Optional[float]:
-                if on_table is None or b > MAX_TABLE_BATCH:
-                    return None
-                x, out, r = arrays(b)
-                return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
-                                 max_seconds=0.2, capture=cupy_graph).us
+        def time_table(b: int) -> Optional[float]:
+            if on_table is None or b > MAX_TABLE_BATCH:
+                return None
+            x, out, r = arrays(b)
+            return time_cold(lambda: on_table(x, out=out, residual=r), l2_flush(flush, x, r), repeat=20,
+                             max_seconds=0.2, capture=cupy_graph).us
 
-            choice = choose_route(time_both, batches, time_table=time_table)
-            routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
-            taken = {path for _, path in choice.route}
-            if DENSE in taken:
-                dense[name] = cudnn
-            if TABLE in taken:
-                tables[name] = on_table
+        choice = choose_route(time_both, batches, time_table=time_table)
+        routes[name] = replace(choice, note="; ".join(notes)) if notes else choice
+        taken = {path for _, path in choice.route}
+        if DENSE in taken:
+            dense[name] = cudnn
+        if TABLE in taken:
+            tables[name] = on_table
+    line.close()
     return routes, dense, tables, ""
 
 

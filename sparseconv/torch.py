@@ -134,46 +134,47 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
     sizes = sorted(set(int(b) for b in batches))
     notes: Dict[str, str] = {}
     items = [(n, m) for n, m in convs.items() if m.kernel is not None and m.kernel.backend == "sparseconv"]
-    with StepLine(timing_label(table), len(items), progress) as line:
-        for name, m in items:
-            line.step(name)
-            s = m.kernel.shape
+    line = StepLine(timing_label(table), len(items), progress)
+    for name, m in items:
+        line.step(name)
+        s = m.kernel.shape
 
-            def inputs(b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-                """Fresh random x of batch b, and a residual where the layer adds one."""
-                x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
-                    else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
-                r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
-                return x, r
+        def inputs(b: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            """Fresh random x of batch b, and a residual where the layer adds one."""
+            x = torch.randn(b, s.in_channels, device=device) if isinstance(m, FusedLinear) \
+                else torch.randn(b, s.in_channels, s.in_h, s.in_w, device=device)
+            r = torch.randn(b, s.out_channels, s.out_h, s.out_w, device=device) if m.residual else None
+            return x, r
 
-            def time_both(b: int) -> Tuple[float, float]:
-                x, r = inputs(b)
-                us = []
-                for path in ("sparseconv", "dense"):
-                    m.route = [(ANY_BATCH, path)]
-                    us.append(time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
-                                        capture=torch_graph).us)
-                return us[0], us[1]
+        def time_both(b: int) -> Tuple[float, float]:
+            x, r = inputs(b)
+            us = []
+            for path in ("sparseconv", "dense"):
+                m.route = [(ANY_BATCH, path)]
+                us.append(time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                                    capture=torch_graph).us)
+            return us[0], us[1]
 
-            def time_table(b: int) -> Optional[float]:
-                if m.table is None or b > MAX_TABLE_BATCH:
-                    return None
-                x, r = inputs(b)
-                m.route = [(ANY_BATCH, "table")]
-                return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
-                                 capture=torch_graph).us
+        def time_table(b: int) -> Optional[float]:
+            if m.table is None or b > MAX_TABLE_BATCH:
+                return None
+            x, r = inputs(b)
+            m.route = [(ANY_BATCH, "table")]
+            return time_cold(lambda: m(x, r), l2_flush(flush, x, r), repeat=20, max_seconds=0.2,
+                             capture=torch_graph).us
 
-            if table and isinstance(m, FusedConv2d):
-                import cupy
-                with cupy.cuda.Device(device.index):
-                    m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
-            choice = choose_route(time_both, sizes, time_table=time_table)
-            m.route = list(choice.route)
-            if all(path != "table" for _, path in m.route):
-                m.table = None
-            # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
-            notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
-                else choice.describe()
+        if table and isinstance(m, FusedConv2d):
+            import cupy
+            with cupy.cuda.Device(device.index):
+                m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
+        choice = choose_route(time_both, sizes, time_table=time_table)
+        m.route = list(choice.route)
+        if all(path != "table" for _, path in m.route):
+            m.table = None
+        # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
+        notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
+            else choice.describe()
+    line.close()
     return notes
 
 

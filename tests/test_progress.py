@@ -14,6 +14,15 @@ def test_each_step_rewrites_the_line_and_the_end_closes_it():
     assert steps[1] == f"timing: 2/2 {'a' * NAME_WIDTH}\n"
 
 
+def test_close_ends_the_line_once():
+    out = io.StringIO()
+    line = StepLine("timing", 1, file=out)
+    line.step("conv1")
+    line.close()
+    line.close()
+    assert out.getvalue() == f"\rtiming: 1/1 {'conv1':{NAME_WIDTH}s}\n"
+
+
 def test_silent_when_off_or_when_there_is_nothing_to_do():
     for enabled, total in ((False, 3), (True, 0)):
         out = io.StringIO()

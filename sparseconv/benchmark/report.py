@@ -216,9 +216,9 @@ SWEEP_BASELINES = ("cudnn_fp32", "cudnn_tf32")
 
 def plot_sweep(result: BenchResult, path: str) -> Tuple[str, ...]:
     """PNG like the paper's Fig. 11 (sweep_figure); returns the baselines plotted."""
+    fig, baselines = sweep_figure(result.to_dict())  # first: it says so when matplotlib is missing
     import matplotlib.pyplot as plt
 
-    fig, baselines = sweep_figure(result.to_dict())
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return baselines
