@@ -335,7 +335,8 @@ def test_sweep_plot_puts_tf32_beside_fp32_and_clips_no_text(batches):
     try:
         assert baselines == ("cudnn_fp32", "cudnn_tf32")
         axes = fig.get_axes()
-        assert [ax.get_title() for ax in axes] == [f"over cuDNN {p}, batch {b}" for b in batches for p in ("fp32", "TF32")]
+        titles = [f"over cuDNN {p}, batch {b}" for b in batches for p in ("fp32", "TF32")]
+        assert [ax.get_title() for ax in axes] == titles
         for left, right in zip(axes[::2], axes[1::2]):  # side by side, one y scale
             assert left.get_position().x1 <= right.get_position().x0
             assert left.get_ylim() == right.get_ylim()
