@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from .build import build_conv2d
 from .cache import ArtifactCache
 from .limits import check_layer
 from .parallel import LayerJob, build_many
-from .progress import StepLine, count_line
+from .progress import StepLine, ptxas_counter
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
 from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
                      pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
@@ -61,12 +61,6 @@ def _bias(bias: Any, shape: ConvShape, name: str) -> Optional[np.ndarray]:
 def _check_progress(progress: object, name: str) -> None:
     if not isinstance(progress, bool):
         raise TypeError(f"{name}: progress must be True or False, got {progress!r}")
-
-
-def _ptxas_count(name: str, variant: int, variants: int, progress: bool) -> Optional[Callable[[int, int], None]]:
-    """The stderr counter of one variant's ptxas functions (progress.count_line)."""
-    which = f" (variant {variant + 1} of {variants})" if variants > 1 else ""
-    return count_line(f"{name}{which}: ptxas, functions assembled", progress)
 
 
 def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
@@ -137,7 +131,7 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
             except ValueError as exc:  # LimitError too
                 raise type(exc)(f"{name}: {exc}") from None
         variants = [(up_to, build_conv2d(w, shape, tiling=t, target=target, cache=cache, name=name,
-                                         epilogue=epilogue, on_function=_ptxas_count(name, i, len(chosen), progress)))
+                                         epilogue=epilogue, on_function=ptxas_counter(name, progress, i, len(chosen))))
                     for i, (up_to, t) in enumerate(chosen)]
     t = time.perf_counter()
     kernel = DenseConv2dKernel(variants[-1][1], b, w) if tuning and tuning.backend == DENSE \
@@ -256,7 +250,7 @@ def compile_linear(weight: Any, *, bias: Any = None, activation: str = "none",
     cache = ArtifactCache(cache_dir)
     target = target or device_target()
     built = [(up_to, build_conv2d(w4, shape, tiling=t, target=target, cache=cache, name=name, epilogue=epilogue,
-                                  on_function=_ptxas_count(name, i, len(variants), progress)))
+                                  on_function=ptxas_counter(name, progress, i, len(variants))))
              for i, (up_to, t) in enumerate(variants)]
     t0 = time.perf_counter()
     conv = Conv2dKernel(built, b)

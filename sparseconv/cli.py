@@ -30,7 +30,7 @@ from .limits import MAX_INDEX, check_layer
 from .model import ConvLayer, ModelError, PrunedModel, detect_format, numpy_why, read_onnx
 from .onnx_fuse import fuse_program, fusion_lines
 from .parallel import LayerJob, build_many
-from .progress import count_line
+from .progress import ptxas_counter
 from .routing import RouteChoice
 from .runner import compile_model, linear_layers, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
@@ -149,7 +149,7 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
         check_layer(shape)
         cache = ArtifactCache(cache_dir)
         built = build_conv2d(w.astype(np.float32), shape, target=Target(target), cache=cache, name=name,
-                             on_function=count_line(f"{name}: ptxas, functions assembled", not as_json))
+                             on_function=ptxas_counter(name, not as_json))
         if emit_ptx is not None:
             _write_atomically(emit_ptx, specialised_ptx(cache, built).encode())
     stats = dict(built.stats, layer=name, shape=shape.describe())

@@ -56,3 +56,11 @@ def count_line(label: str, enabled: bool = True,
         click.echo(f"\r{label}: {done}/{total}", file=file or sys.stderr, nl=done >= total)
 
     return report
+
+
+def ptxas_counter(name: str, enabled: bool = True, variant: int = 0,
+                  variants: int = 1) -> Optional[Callable[[int, int], None]]:
+    """count_line for one layer's (one variant's) ptxas functions, as
+    compile_conv2d, compile_linear and `sparseconv layer` show them."""
+    which = f" (variant {variant + 1} of {variants})" if variants > 1 else ""
+    return count_line(f"{name}{which}: ptxas, functions assembled", enabled)

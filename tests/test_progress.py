@@ -1,7 +1,7 @@
 """sparseconv.progress: the one-line progress of work done layer by layer."""
 import io
 
-from sparseconv.progress import NAME_WIDTH, StepLine, count_line
+from sparseconv.progress import NAME_WIDTH, StepLine, count_line, ptxas_counter
 
 
 def test_each_step_rewrites_the_line_and_the_end_closes_it():
@@ -41,3 +41,11 @@ def test_count_line_counts_in_place_and_ends_at_the_total():
                               "\rfc7: ptxas, functions assembled: 2/2\n")
     assert count_line("quiet", enabled=False) is None
 
+
+
+def test_ptxas_counter_names_the_layer_and_its_variant(capsys):
+    ptxas_counter("fc7", True, 1, 2)(3, 3)
+    ptxas_counter("conv1")(1, 4)
+    assert capsys.readouterr().err == ("\rfc7 (variant 2 of 2): ptxas, functions assembled: 3/3\n"
+                                       "\rconv1: ptxas, functions assembled: 1/4")
+    assert ptxas_counter("quiet", False) is None
