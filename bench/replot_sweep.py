@@ -33,7 +33,8 @@ def main(argv: list | None = None) -> int:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{args.results}: cannot read a bench result ({exc})") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not all(
-                isinstance(r, dict) and {"layer", "batch", "sparsity", "speedup"} <= set(r) for r in doc["rows"]):
+                isinstance(r, dict) and {"layer", "batch", "sparsity", "speedup"} <= set(r)
+                and isinstance(r["speedup"], dict) for r in doc["rows"]):
             raise ValueError(f"{args.results}: not a result of `sparseconv bench --json` (rows of layer, batch, "
                              "sparsity and speedup expected)")
         try:

@@ -949,6 +949,7 @@ def _sweep_doc(sparsities=(0.5, 0.9)):
     ("missing", "cannot read a bench result"),
     ("damaged", "cannot read a bench result"),
     ("not bench", "not a result of `sparseconv bench --json`"),
+    ("speedup not a table", "not a result of `sparseconv bench --json`"),
     ("one sparsity", "the plot needs a sweep: at least two sparsities"),
     ("out not png", "the plot is a PNG; name it *.png"),
     ("out folder", "folder /nonexistent-folder does not exist"),
@@ -957,7 +958,9 @@ def test_replot_sweep_refuses_bad_input_and_writes_nothing(case, needle, tmp_pat
     """bench/replot_sweep.py: exit 2 with one line naming the file and what
     was expected; no PNG (nor a temporary one) left behind."""
     results, out = tmp_path / "r.json", tmp_path / "s.png"
-    doc = {"one sparsity": _sweep_doc((0.9,)), "not bench": {"rows": [{"layer": "a"}]}}.get(case, _sweep_doc())
+    bad_speedup = dict(rows=[dict(layer="a", batch=1, sparsity=0.5, speedup=2.0)])
+    doc = {"one sparsity": _sweep_doc((0.9,)), "not bench": {"rows": [{"layer": "a"}]},
+           "speedup not a table": bad_speedup}.get(case, _sweep_doc())
     if case == "damaged":
         results.write_text(json.dumps(doc)[:-20])
     elif case != "missing":
