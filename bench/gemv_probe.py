@@ -4,6 +4,14 @@ alone by CUDA events on torch's stream (median), hot and with L2 flushed
 before each call; checks both against float64.
 
     python bench/gemv_probe.py --batch 1 --batch 8 --out gemv.json
+
+With --sparsity, the same layers pruned by magnitude to that fraction of
+zeros (repeat it for several), timed on cuBLAS, on the dense kernel's default
+and on the sparse kernel's variants (SPARSE_VARIANTS): where the sparse
+kernel starts to win (gemv.MIN_SPARSE_GEMV_SPARSITY) and which variant is its
+default.
+
+    python bench/gemv_probe.py --sparsity 0.5 --sparsity 0.7 --sparsity 0.9 --out sparse_gemv.json
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparseconv.gemv import MAX_GEMV_BATCH, GemvVariant, linear_gemv
+from sparseconv.gemv import MAX_GEMV_BATCH, GemvVariant, linear_gemv, linear_sparse_gemv, sparse_rows
 from sparseconv.runtime import as_cupy_stream
 from sparseconv.timing import l2_scratch_floats
 
@@ -27,6 +35,11 @@ from sparseconv.timing import l2_scratch_floats
 # --ptxas-options): none gained over 2 us on any layer (docs/PERFORMANCE.md).
 VARIANTS = {"s4u8 (default)": GemvVariant(), "s1u8": GemvVariant(1, 8), "s2u8": GemvVariant(2, 8),
             "s4u4": GemvVariant(4, 4), "s8u4": GemvVariant(8, 4)}
+# The sparse kernel's default and the alternatives it is timed against.
+# None: the rule (gemv.sparse_gemv_variant) for the layer and batch.
+SPARSE_VARIANTS = {"sparse (default rule)": None, "sparse s1u8": GemvVariant(1, 8), "sparse s1u4": GemvVariant(1, 4),
+                   "sparse s2u8": GemvVariant(2, 8), "sparse s2u4": GemvVariant(2, 4),
+                   "sparse s4u4": GemvVariant(4, 4)}
 LAYERS = [("vgg16 fc6", 25088, 4096), ("vgg16 fc7", 4096, 4096), ("vgg16 fc8", 4096, 1000),
           ("resnet50 fc", 2048, 1000)]
 
@@ -55,11 +68,16 @@ def time_us(fn: Callable[[], Any], flush: Optional[Callable[[], Any]], repeat: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, action="append", help="repeat for several (default 1, 2, 4, 8)")
+    ap.add_argument("--sparsity", type=float, action="append",
+                    help="prune each layer to this fraction of zeros and time the sparse kernel too (repeat)")
     ap.add_argument("--out", default="gemv_probe.json")
     args = ap.parse_args()
     bad = [b for b in args.batch or [] if not 1 <= b <= MAX_GEMV_BATCH]
     if bad:
         ap.error(f"--batch must be 1..{MAX_GEMV_BATCH} (the kernel's images a launch), got {bad[0]}")
+    bad_sparsity = [s for s in args.sparsity or [] if not 0.0 <= s < 1.0]
+    if bad_sparsity:
+        ap.error(f"--sparsity must be in [0, 1), got {bad_sparsity[0]}")
     if not Path(args.out).resolve().parent.is_dir():  # refused now, not after the timings
         ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
     import cupy
@@ -67,10 +85,17 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     scratch = torch.empty(l2_scratch_floats(getattr(props, "L2_cache_size", None)), device="cuda")
     rows = []
-    for name, n_in, n_out in LAYERS:
+    for (name, n_in, n_out), sparsity in ((layer, s) for layer in LAYERS for s in args.sparsity or [None]):
         g = torch.Generator(device="cuda").manual_seed(0)
         w = torch.randn(n_out, n_in, device="cuda", generator=g) / n_in ** 0.5
         b = torch.randn(n_out, device="cuda", generator=g)
+        variants = VARIANTS
+        if sparsity is not None:  # by magnitude, as a pruned layer is
+            cut = torch.kthvalue(w.abs().flatten().cpu(), max(1, int(sparsity * w.numel()))).values.item()
+            w = torch.where(w.abs() <= cut, torch.zeros_like(w), w) if sparsity > 0 else w
+            rows_ = sparse_rows(w.cpu().numpy())
+            entries, row_start = cupy.asarray(rows_.entries), cupy.asarray(rows_.row_start)
+            variants = {"dense s4u8 (default)": GemvVariant(), **SPARSE_VARIANTS}
         for batch in args.batch or [1, 2, 4, 8]:
             x = torch.randn(batch, n_in, device="cuda", generator=g)
             y = torch.empty(batch, n_out, device="cuda")
@@ -85,15 +110,18 @@ def main() -> None:
                 x.max()  # the input comes from the layer before: in L2
 
             row = dict(layer=name, batch=batch, in_features=n_in, out_features=n_out, weight_MB=w.numel() * 4 / 1e6,
-                       err=dict(torch=rel_l2(theirs(), ref)), hot_us={}, cold_us={})
+                       sparsity=sparsity, err=dict(torch=rel_l2(theirs(), ref)), hot_us={}, cold_us={})
             row["hot_us"]["torch"] = time_us(theirs, None)
             row["cold_us"]["torch"] = time_us(theirs, flush)
-            for label, variant in VARIANTS.items():
+            for label, variant in variants.items():
                 cx, cw, cb, cy = (cupy.from_dlpack(t) for t in (x, w, b, y))
 
-                def ours(variant: GemvVariant = variant) -> None:
+                def ours(variant: Optional[GemvVariant] = variant, sparse: bool = label.startswith("sparse")) -> None:
                     with as_cupy_stream(torch.cuda.current_stream(), 0, "gemv_probe"):
-                        linear_gemv(0, cx, cw, cb, cy, variant)
+                        if sparse:
+                            linear_sparse_gemv(0, cx, entries, row_start, cb, cy, variant)
+                        else:
+                            linear_gemv(0, cx, cw, cb, cy, variant)
                 try:
                     y.zero_()
                     ours()
@@ -107,7 +135,8 @@ def main() -> None:
             rows.append(row)
             cells = ", ".join(f"{k} {row['hot_us'][k]:.1f}/{v:.1f} ({row['weight_MB'] / v:.2f} TB/s, "
                               f"err {row['err'][k]:.0e})" for k, v in row["cold_us"].items() if v > 0)
-            print(f"{name:12s} batch {batch} hot/cold us: {cells}", flush=True)
+            at = "" if sparsity is None else f" at {sparsity:.0%} zeros"
+            print(f"{name:12s}{at} batch {batch} hot/cold us: {cells}", flush=True)
     json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), rows=rows),
               open(args.out, "w"), indent=1)
 

@@ -26,7 +26,8 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
-from .gemv import MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv
+from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, linear_sparse_gemv, sparse_gemv_takes,
+                   sparse_rows)
 from .pool import MaxPoolShape, max_pool2d
 from .shapes import ConvShape, shape_from_weight
 
@@ -370,16 +371,77 @@ class GemvLinear(nn.Module):
                 f"bias={self.bias is not None}, sparseconv.gemv at batch <= {MAX_GEMV_BATCH}")
 
 
+class SparseGemvLinear(nn.Module):
+    """A pruned nn.Linear left uncompiled (too large to build as code, or
+    linear=False) whose CUDA float32 calls on (N, in_features) inputs with
+    N <= MAX_GEMV_BATCH run sparseconv.gemv's sparse kernel: only its nonzero
+    weights are read, as (column, value) entries, exact fp32 sums in a fixed
+    order. The entries are taken when the module is made, as a compiled
+    layer's weights are; other calls (CPU, other dtypes or ranks, larger
+    batches, autograd) run F.linear on the same weight and bias parameters."""
+
+    def __init__(self, linear: nn.Linear, name: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        rows = sparse_rows(linear.weight.detach().float().cpu().numpy())
+        self.nnz = rows.nnz
+        device = linear.weight.device
+        # derived from the weight, so not saved; they move with .to(). int32 here, uint32 to the kernel.
+        self.register_buffer("entries", torch.from_numpy(rows.entries.view(np.int32)).to(device), persistent=False)
+        self.register_buffer("row_start", torch.from_numpy(rows.row_start).to(device), persistent=False)
+        self.register_buffer("zero_bias", None if linear.bias is not None else
+                             torch.zeros(linear.out_features, dtype=torch.float32, device=device), persistent=False)
+        self.layer_name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is not None else self.zero_bias
+        ours = x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_GEMV_BATCH \
+            and x.shape[1] == self.in_features and bias.dtype == torch.float32 \
+            and self.entries.device == bias.device == x.device \
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        if not ours:
+            return F.linear(x, self.weight, self.bias)
+        import cupy
+
+        from . import runtime
+
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        index = x.device.index
+        with cupy.cuda.Device(index), runtime.as_cupy_stream(torch.cuda.current_stream(x.device), index,
+                                                            self.layer_name):
+            linear_sparse_gemv(index, cupy.from_dlpack(x), cupy.from_dlpack(self.entries).view(cupy.uint32),
+                               cupy.from_dlpack(self.row_start), cupy.from_dlpack(bias.detach().contiguous()),
+                               cupy.from_dlpack(out))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.nnz:,} nonzero weights, "
+                f"sparseconv's sparse gemv at batch <= {MAX_GEMV_BATCH}")
+
+
 def swap_dense_linears(module: nn.Module) -> List[str]:
     """Replace each plain nn.Linear submodule of `module` (changed in place;
-    compiled ones are FusedLinear by now) that sparseconv.gemv takes (at least
-    gemv.MIN_GEMV_FEATURES outputs, a multiple of 4 inputs) by a GemvLinear;
-    returns the names."""
-    names = [name for name, m in module.named_modules()
-             if name and type(m) is nn.Linear and gemv_takes(m.out_features, m.in_features)]
-    for name in names:
+    compiled ones are FusedLinear by now) that sparseconv.gemv takes: by a
+    SparseGemvLinear where it is pruned (gemv.sparse_gemv_takes: at least
+    MIN_GEMV_FEATURES outputs and MIN_SPARSE_GEMV_SPARSITY zeros), else by a
+    GemvLinear (gemv_takes: at least MIN_GEMV_FEATURES outputs, a multiple
+    of 4 inputs). Returns the names."""
+    names = []
+    for name, m in list(module.named_modules()):
+        if not name or type(m) is not nn.Linear:
+            continue
+        if sparse_gemv_takes(m.out_features, sparsity_of(m.weight.detach())):
+            swapped: nn.Module = SparseGemvLinear(m, name)
+        elif gemv_takes(m.out_features, m.in_features):
+            swapped = GemvLinear(m, name)
+        else:
+            continue
         parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, attr, GemvLinear(module.get_submodule(name), name))
+        setattr(module.get_submodule(parent) if parent else module, attr, swapped)
+        names.append(name)
     return names
 
 

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from .api import compile_layers
-from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, conv_padding, plan, prepare,
-                 swap_dense_linears, swap_max_pools, swap_modules)
+from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, SparseGemvLinear, conv_padding,
+                 plan, prepare, swap_dense_linears, swap_max_pools, swap_modules)
+from .gemv import MAX_GEMV_BATCH
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
 from .shapes import ANY_BATCH, Epilogue
@@ -235,11 +236,14 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     without the int64 indices torch's CUDA pool also writes (ResNet-50's pool
     at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them.
 
-    gemv=True (default) runs each nn.Linear that stays dense (not compiled,
-    at least gemv.MIN_GEMV_FEATURES outputs) through sparseconv.gemv's kernel
-    at batch <= 8 on CUDA float32 inputs: exact fp32, the weights streamed
-    once (VGG-16's fc7 at batch 1: 39 -> 28 us against cuBLAS). Other calls
-    run F.linear. `result.sparseconv_gemv` lists them."""
+    gemv=True (default) runs each nn.Linear that is not compiled (at least
+    gemv.MIN_GEMV_FEATURES outputs) through a sparseconv.gemv kernel at
+    batch <= 8 on CUDA float32 inputs, exact fp32: a dense one through the
+    dense kernel, the weights streamed once (VGG-16's fc7 at batch 1: 39 ->
+    28 us against cuBLAS); a pruned one (gemv.MIN_SPARSE_GEMV_SPARSITY zeros
+    or more, e.g. a pruned fc6 over the build limits) through the sparse
+    kernel, which reads only its nonzero weights. Other calls run F.linear.
+    `result.sparseconv_gemv` lists them, and the plan names the sparse ones."""
     if not 0.0 <= min_sparsity <= 1.0:
         raise ValueError(f"sparsify: min_sparsity must be in [0, 1], got {min_sparsity}")
     for option, value in (("linear", linear), ("pools", pools), ("gemv", gemv), ("table", table)):
@@ -284,6 +288,11 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
             plans[i] = replace(p, action=action, reason=routed[p.name])
     pooled = swap_max_pools(result) if pools else []
     gemvs = swap_dense_linears(result) if gemv else []
+    for i, p in enumerate(plans):  # a kept pruned Linear now runs the sparse gemv: the plan says so
+        if p.kind == "linear" and p.action == "kept" and p.name in gemvs \
+                and isinstance(result.get_submodule(p.name), SparseGemvLinear):
+            plans[i] = replace(p, reason=f"{p.reason}; runs sparseconv's sparse gemv at batch <= {MAX_GEMV_BATCH} "
+                                         f"(only its nonzero weights read), F.linear above")
     if cuda_graph:
         result = CudaGraphModule(result)
     result.sparseconv_plan = plans

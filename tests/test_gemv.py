@@ -1,8 +1,9 @@
-"""sparseconv.gemv: the dense small-batch Linear kernel, compiled by nvcc as
-NVRTC compiles it at run time and executed in the PTX interpreter (CPU)
-against float64; the front end's swap of dense nn.Linear layers (CPU); and on
-the GPU, the kernel and sparsify's GemvLinear against float64 on fresh random
-inputs, and what it refuses."""
+"""sparseconv.gemv: the dense and the sparse small-batch Linear kernels,
+compiled by nvcc as NVRTC compiles them at run time and executed in the PTX
+interpreter (CPU) against float64; the sparse entries (SparseRows); the front
+end's swap of uncompiled nn.Linear layers (CPU); and on the GPU, the kernels
+and sparsify's GemvLinear / SparseGemvLinear against float64 on fresh random
+inputs, and what they refuse."""
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import torch
 from torch import fx, nn
 
 from sparseconv.compile import compile_to_ptx
-from sparseconv.fx import GemvLinear, swap_dense_linears
-from sparseconv.gemv import MAX_GEMV_BATCH, MIN_GEMV_FEATURES, WARPS_PER_BLOCK, GemvVariant, gemv_source
+from sparseconv.fx import GemvLinear, SparseGemvLinear, swap_dense_linears
+from sparseconv.gemv import (MAX_GEMV_BATCH, MIN_GEMV_FEATURES, MIN_SPARSE_GEMV_SPARSITY, SPARSE_GEMV_VARIANT,
+                             WARPS_PER_BLOCK, GemvVariant, gemv_source, sparse_gemv_source, sparse_rows)
 from sparseconv.shapes import Target
 
 from ptx_interpreter import run_kernel
@@ -172,3 +174,197 @@ def test_sparsify_runs_dense_heads_through_the_gemv_kernel(tmp_path):
     off = sct.sparsify(net, torch.randn(1, 3, 6, 6, device="cuda"), cache_dir=str(tmp_path), progress=False,
                        route_batches=None, gemv=False)
     assert off.sparseconv_gemv == [] and type(off.get_submodule("fc1")) is nn.Linear
+
+
+# -- the sparse kernel ------------------------------------------------------------------------------------------------
+
+def _pruned(rng, shape, sparsity):
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[rng.random(shape) < sparsity] = 0.0
+    return w
+
+
+def test_sparse_rows_keep_every_nonzero_once_in_row_and_column_order():
+    rng = np.random.default_rng(1)
+    w = _pruned(rng, (7, 300), 0.9)
+    w[2] = 0.0                       # a row without entries
+    w[4, :] = rng.standard_normal(300).astype(np.float32)  # a full row
+    w[5, 17] = -0.0                  # a negative zero adds nothing: no entry
+    rows = sparse_rows(w)
+    assert rows.nnz == np.count_nonzero(w) and rows.row_start[0] == 0 and rows.row_start[-1] == rows.nnz
+    assert rows.row_start[3] == rows.row_start[2] and rows.row_start[5] - rows.row_start[4] == 300
+    assert np.array_equal(rows.to_dense(), w)
+    for r in range(7):
+        cols = rows.entries[rows.row_start[r]:rows.row_start[r + 1], 0]
+        assert np.all(np.diff(cols.astype(np.int64)) > 0)   # column order within a row
+    assert 17 not in rows.entries[rows.row_start[5]:rows.row_start[6], 0]
+    empty = sparse_rows(np.zeros((3, 4), np.float32))
+    assert empty.nnz == 0 and list(empty.row_start) == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"must be 2-D \(out_features, in_features\), got shape \(2, 3, 4\)"):
+        sparse_rows(np.zeros((2, 3, 4), np.float32))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("batch,variant", [(1, SPARSE_GEMV_VARIANT), (3, SPARSE_GEMV_VARIANT), (8, GemvVariant(1, 2)),
+                                           (2, GemvVariant(4, 2))],
+                         ids=["b1-default", "b3-default", "b8-unroll2", "b2-four-warps-a-feature"])
+def test_the_sparse_kernel_sums_every_nonzero_weight_once(batch, variant):
+    """Rows with no entry, fewer entries than a warp, and more than one
+    unrolled step (the loop and the tail); 11 features leave the last
+    block's last warps without a row (nothing may be written past y); 1,002
+    inputs, not a multiple of 4 (the sparse kernel gathers x by column)."""
+    rng = np.random.default_rng(batch)
+    n_in, n_out = 1002, 11
+    w = _pruned(rng, (n_out, n_in), 0.7)
+    w[0] = 0.0
+    w[1, 20:] = 0.0                  # 20 columns or fewer: under one entry a lane
+    rows = sparse_rows(w)
+    x = rng.standard_normal((batch, n_in)).astype(np.float32)
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    y = np.full((batch, n_out), 12345.0, np.float32)
+    ptx = compile_to_ptx(sparse_gemv_source(batch, variant), Target(), "the sparse gemv kernel")
+    rows_per_block = WARPS_PER_BLOCK // variant.split
+    run_kernel(ptx, "sc_sparse_gemv", grid=(-(-n_out // rows_per_block), 1, 1), block=(WARPS_PER_BLOCK * 32, 1, 1),
+               args=[x, rows.entries, rows.row_start, bias, y, n_in, n_out])
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    assert rel_l2(y, ref) < 1e-6
+    assert np.array_equal(y[:, 0], np.broadcast_to(bias[0], (batch,)))   # no entries: the bias alone
+
+
+def test_the_sparse_kernel_takes_one_warp_a_row_where_rows_are_many_and_four_where_few():
+    from sparseconv.gemv import sparse_gemv_variant
+
+    assert sparse_gemv_variant(4096, 1) == GemvVariant(1, 8)   # VGG-16's fc6 / fc7 at batch 1
+    assert sparse_gemv_variant(4096, 8) == GemvVariant(1, 4)
+    assert sparse_gemv_variant(1000, 1) == sparse_gemv_variant(1000, 8) == GemvVariant(4, 4)   # fc8, ResNet-50's fc
+
+
+def test_sparse_gemv_source_refuses_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError, match=f"sparse gemv: batch must be 1..{MAX_GEMV_BATCH}"):
+        sparse_gemv_source(0)
+    with pytest.raises(ValueError, match="split must be 1, 2, 4 or 8"):
+        sparse_gemv_source(1, GemvVariant(split=16))
+
+
+class _PrunedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc6 = nn.Linear(1002, MIN_GEMV_FEATURES)     # pruned, 1,002 inputs: the sparse kernel takes it
+        self.fc7 = nn.Linear(MIN_GEMV_FEATURES, 1024)     # dense: the dense kernel
+        self.mid = nn.Linear(1024, 1024, bias=False)      # under MIN_SPARSE_GEMV_SPARSITY zeros: dense kernel
+        self.small = nn.Linear(1024, 10)                  # pruned but too few features: left alone
+        with torch.no_grad():
+            self.fc6.weight.mul_((torch.rand_like(self.fc6.weight) > 0.9).float())
+            self.mid.weight.mul_((torch.rand_like(self.mid.weight) > MIN_SPARSE_GEMV_SPARSITY - 0.2).float())
+            self.small.weight.mul_((torch.rand_like(self.small.weight) > 0.9).float())
+
+    def forward(self, x):
+        return self.small(self.mid(torch.relu(self.fc7(torch.relu(self.fc6(x))))))
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_front_end_takes_pruned_wide_linears_to_the_sparse_kernel(traced):
+    torch.manual_seed(0)
+    net = _PrunedHead().eval()
+    x = torch.randn(3, 1002)
+    want = net(x)
+    weight = net.fc6.weight
+    module = fx.symbolic_trace(net) if traced else net
+    assert swap_dense_linears(module) == ["fc6", "fc7", "mid"]
+    sparse = module.get_submodule("fc6")
+    assert isinstance(sparse, SparseGemvLinear) and sparse.weight is weight
+    assert sparse.nnz == int((weight != 0).sum())
+    assert np.array_equal(sparse_rows(weight.detach().numpy()).entries.view(np.int32), sparse.entries.numpy())
+    assert isinstance(module.get_submodule("fc7"), GemvLinear) and isinstance(module.get_submodule("mid"), GemvLinear)
+    assert type(module.get_submodule("small")) is nn.Linear
+    assert set(sparse.state_dict()) == {"weight", "bias"}     # the entries are derived, not saved
+    assert torch.equal(module(x), want)  # CPU input: F.linear, the same numbers
+    assert f"{sparse.nnz:,} nonzero weights, sparseconv's sparse gemv at batch <= 8" in repr(sparse)
+
+
+def test_a_sparse_gemv_linear_keeps_autograd_and_bias_free_layers_on_the_cpu():
+    lin = nn.Linear(8, MIN_GEMV_FEATURES, bias=False)
+    with torch.no_grad():
+        lin.weight[:, 1:] = 0.0
+    g = SparseGemvLinear(lin, "head")
+    x = torch.randn(2, 8, requires_grad=True)
+    g(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    assert set(g.state_dict()) == {"weight"} and not g.zero_bias.any() and g.nnz == MIN_GEMV_FEATURES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_in,n_out,sparsity", [(25088, 512, 0.9), (4096, 1000, 0.95), (1002, 1001, 0.6)])
+def test_linear_sparse_gemv_matches_float64_on_the_gpu(n_in, n_out, sparsity):
+    import cupy as cp
+
+    from sparseconv.gemv import linear_sparse_gemv
+
+    rng = np.random.default_rng(n_in + n_out)
+    w = _pruned(rng, (n_out, n_in), sparsity)
+    w[3] = 0.0
+    rows = sparse_rows(w)
+    entries, row_start = cp.asarray(rows.entries), cp.asarray(rows.row_start)
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    for batch in range(1, MAX_GEMV_BATCH + 1):
+        x = rng.standard_normal((batch, n_in)).astype(np.float32)
+        y = cp.full((batch, n_out), np.nan, np.float32)
+        linear_sparse_gemv(0, cp.asarray(x), entries, row_start, cp.asarray(bias), y)
+        again = cp.empty_like(y)
+        linear_sparse_gemv(0, cp.asarray(x), entries, row_start, cp.asarray(bias), again)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T + bias
+        assert rel_l2(cp.asnumpy(y), ref) < 1e-6, batch
+        assert cp.array_equal(y, again)  # a fixed summation order: identical run to run
+
+
+@pytest.mark.gpu
+def test_linear_sparse_gemv_refuses_bad_input_before_launching():
+    import cupy as cp
+
+    from sparseconv.gemv import linear_sparse_gemv
+
+    rows = sparse_rows(_pruned(np.random.default_rng(0), (1000, 64), 0.9))
+    entries, row_start = cp.asarray(rows.entries), cp.asarray(rows.row_start)
+    x, bias, y = cp.ones((1, 64), cp.float32), cp.zeros(1000, cp.float32), cp.empty((1, 1000), cp.float32)
+    with pytest.raises(ValueError, match=r"y \(1, 1000\); got \(1000,\) and \(2, 1000\)"):
+        linear_sparse_gemv(0, x, entries, row_start, bias, cp.empty((2, 1000), cp.float32))
+    with pytest.raises(ValueError, match="entries must be uint32"):
+        linear_sparse_gemv(0, x, entries.view(cp.int32), row_start, bias, y)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        linear_sparse_gemv(0, x.astype(cp.float64), entries, row_start, bias, y)
+    with pytest.raises(ValueError, match=f"1..{MAX_GEMV_BATCH} images"):
+        linear_sparse_gemv(0, cp.ones((MAX_GEMV_BATCH + 1, 64), cp.float32), entries, row_start, bias,
+                           cp.empty((MAX_GEMV_BATCH + 1, 1000), cp.float32))
+
+
+class _PrunedClassifier(_Classifier):
+    """_Classifier with its head pruned (fc1 90% zeros, fc2 without a bias
+    95%), too large to compile under max_linear_weights=1000."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            for m, keep in ((self.fc1, 0.1), (self.fc2, 0.05)):
+                m.weight.mul_((torch.rand_like(m.weight) < keep).float())
+
+
+@pytest.mark.gpu
+def test_sparsify_runs_pruned_heads_it_does_not_compile_through_the_sparse_kernel(tmp_path):
+    import sparseconv.torch as sct
+
+    torch.manual_seed(1)
+    net = _PrunedClassifier().cuda().eval()
+    fast = sct.sparsify(net, torch.randn(1, 3, 6, 6, device="cuda"), cache_dir=str(tmp_path), progress=False,
+                        route_batches=None, cuda_graph=True, max_linear_weights=1000)
+    assert fast.sparseconv_gemv == ["fc1", "fc2"]
+    plans = {p.name: p for p in fast.sparseconv_plan}
+    for name in ("fc1", "fc2"):
+        assert plans[name].action == "kept" and "runs sparseconv's sparse gemv at batch <= 8" in plans[name].reason
+    ref_net = _PrunedClassifier().double().cuda().eval()
+    ref_net.load_state_dict(net.state_dict())
+    with torch.no_grad():
+        for batch in (1, 5, MAX_GEMV_BATCH + 1, 1):  # MAX_GEMV_BATCH + 1: F.linear; then the graph of batch 1 again
+            x = torch.randn(batch, 3, 6, 6, device="cuda")
+            got = fast(x)
+            ref = ref_net(x.double())
+            assert float((got.double() - ref).norm() / ref.norm()) < 1e-5, batch
