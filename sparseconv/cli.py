@@ -230,7 +230,8 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
             click.echo(f"{name[:32]:32s} {f'Linear {s.in_channels}->{s.out_channels}':34s} {layer.sparsity:8.3f} "
                        f"{int(np.count_nonzero(layer.weight)):>10d}  run: Linear kernel (not in `compile`)")
         for name, why in dense.items():
-            how = "dense (sparseconv.gemv at batch <= 8)" if name in gemvs else "dense"
+            gemv = gemvs.get(name)
+            how = "dense" if gemv is None else f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()})"
             click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: {how}, {why}")
 
 

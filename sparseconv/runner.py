@@ -35,7 +35,8 @@ import numpy as np
 
 from . import onnx_ops as ops
 from .dense import conv2d_im2col, epilogue_reference
-from .gemv import MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv
+from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, linear_sparse_gemv, sparse_gemv_takes,
+                   sparse_rows)
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
@@ -58,16 +59,23 @@ class Node:
 
 @dataclass(frozen=True)
 class GemvLayer:
-    """A dense Gemm / MatMul with a constant weight that the GPU runner streams
-    through sparseconv.gemv at batch <= MAX_GEMV_BATCH (other batches: the
-    operator). weight is (out, in) as nn.Linear's; weight_input names the
-    constant when it already is that matrix (Gemm transB=1), so the GPU copy
-    of the constant serves, else None (a transposed copy is uploaded)."""
+    """A Gemm / MatMul with a constant weight, not compiled, that the GPU
+    runner streams through sparseconv.gemv at batch <= MAX_GEMV_BATCH (other
+    batches: the operator): through the sparse kernel (only the nonzero
+    weights read) when `sparse`, else the dense one. weight is (out, in) as
+    nn.Linear's; weight_input names the constant when it already is that
+    matrix (Gemm transB=1), so the GPU copy of the constant serves, else None
+    (a transposed copy is uploaded)."""
 
     name: str
     weight: np.ndarray
     bias: Optional[np.ndarray]
     weight_input: Optional[str]
+    sparse: bool = False
+
+    def describe(self) -> str:
+        kernel = "sparseconv's sparse gemv" if self.sparse else "sparseconv.gemv"
+        return f"{kernel} at batch <= {MAX_GEMV_BATCH}"
 
 
 @dataclass(frozen=True)
@@ -104,9 +112,10 @@ class OnnxProgram:
                 lines.append(f"{node.name}: {node.op} as Linear {s.in_channels}->{s.out_channels}, "
                              f"{(backends or {}).get(node.name, 'sparseconv')}")
             elif node.name in self.dense_linears:
-                how = f"sparseconv.gemv at batch <= {MAX_GEMV_BATCH}, else CuPy matmul" \
-                    if node.name in self.gemv_layers else "CuPy matmul"
-                lines.append(f"{node.name}: {node.op}, dense ({how}): {self.dense_linears[node.name]}")
+                gemv = self.gemv_layers.get(node.name)
+                how = "dense (CuPy matmul)" if gemv is None else \
+                    f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()}, else CuPy matmul)"
+                lines.append(f"{node.name}: {node.op}, {how}: {self.dense_linears[node.name]}")
             elif node.op == "ConvTranspose":
                 lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
         return lines
@@ -344,7 +353,8 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str], Di
     name -> why) for those that stay dense: under LINEAR_MIN_SPARSITY zeros,
     over MAX_LINEAR_WEIGHTS weights (their build would take minutes), or
     over the build limits; and (node name -> GemvLayer) for those of the
-    dense ones that sparseconv.gemv takes (gemv.gemv_takes)."""
+    dense ones that a sparseconv.gemv kernel takes (gemv.sparse_gemv_takes
+    for the sparse one, else gemv.gemv_takes)."""
     import onnx
 
     consts = parsed.constants
@@ -388,9 +398,10 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str], Di
             dense[name] = linear_limits(shape).split(": ", 1)[-1]
         else:
             linears[name] = ConvLayer(name, weight, bias, shape)
-        if name in dense and gemv_takes(weight.shape[0], weight.shape[1]):
+        sparse = sparse_gemv_takes(weight.shape[0], sparsity)
+        if name in dense and (sparse or gemv_takes(weight.shape[0], weight.shape[1])):
             # B's GPU copy is float32 whatever B's dtype (prepare_constants); _gemv checks it anyway
-            gemvs[name] = GemvLayer(name, weight, bias, nd.input[1] if as_is else None)
+            gemvs[name] = GemvLayer(name, weight, bias, nd.input[1] if as_is else None, sparse)
     return linears, dense, gemvs
 
 
@@ -563,7 +574,8 @@ class SparseModel:
         self._graphs: Dict[Tuple[int, ...], Optional[CapturedForward]] = {}
         self._constants: Optional[Dict[str, Any]] = None  # on the GPU after the first call
         self._xp: Any = None
-        self._gemv_arrays: Dict[str, Tuple[Any, Any]] = {}  # GemvLayer name -> (weight, bias) on the GPU
+        # GemvLayer name -> (weight, bias), or (entries, row_start, bias) for a sparse one, on the GPU
+        self._gemv_arrays: Dict[str, Tuple[Any, ...]] = {}
 
     def kernel(self, name: str, batch: int) -> Any:
         """What runs Conv `name` at this batch size: its kernel, or cuDNN or the
@@ -600,6 +612,18 @@ class SparseModel:
         if x.ndim != 2 or x.dtype != cupy.float32 or x.shape[1] != layer.weight.shape[1]:
             return None
         x = cupy.ascontiguousarray(x)
+        if layer.sparse:
+            if not 1 <= x.shape[0] <= MAX_GEMV_BATCH:
+                return None
+            if layer.name not in self._gemv_arrays:  # the entries, uploaded once (the warm-up runs first)
+                rows = sparse_rows(layer.weight)
+                bias = layer.bias if layer.bias is not None else np.zeros(layer.weight.shape[0], np.float32)
+                self._gemv_arrays[layer.name] = (cupy.asarray(rows.entries), cupy.asarray(rows.row_start),
+                                                 cupy.asarray(bias, dtype=cupy.float32))
+            entries, row_start, bias = self._gemv_arrays[layer.name]
+            y = cupy.empty((x.shape[0], layer.weight.shape[0]), cupy.float32)
+            linear_sparse_gemv(x.device.id, x, entries, row_start, bias, y)
+            return y
         if layer.name not in self._gemv_arrays:  # uploaded once (outside any capture: the warm-up runs first)
             w = values.get(layer.weight_input) if layer.weight_input else None
             if w is None or w.dtype != cupy.float32 or not w.flags.c_contiguous:

@@ -1,6 +1,7 @@
 """Small ONNX models written with onnx.helper, shared by the runner's tests:
-save_model (one float input x, one output out, opset 17), and dense_head, a
-model with dense classifier heads wide enough for sparseconv.gemv
+save_model (one float input x, one output out, opset 17); dense_head, a
+model with dense classifier heads wide enough for sparseconv.gemv, and
+pruned_head, its pruned counterpart for the sparse gemv
 (test_runner_linear.py on the CPU, test_gpu_linear.py on the GPU)."""
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
@@ -44,3 +45,23 @@ def dense_head(folder: Path, rng: np.random.Generator) -> Tuple[Path, Dict[str, 
              helper.make_node("Slice", ["g2", "s0", "s1", "s2"], ["g2s"]),
              helper.make_node("Gemm", ["g2s", "w3"], ["out"], name="odd", transB=1)]
     return save_model(Path(folder) / "head.onnx", nodes, inits, ["N", 3, 4, 4]), inits
+
+
+def pruned_head(folder: Path, rng: np.random.Generator) -> Tuple[Path, Dict[str, np.ndarray]]:
+    """Conv -> Flatten -> pruned Gemm transB=1 (1,000 outputs, 80% zeros) ->
+    Relu -> pruned MatMul (1,000 -> 1,002 outputs, 90% zeros, no bias) ->
+    Relu -> pruned Gemm with 1,002 inputs (1,000 outputs; not a multiple of 4,
+    which the sparse kernel takes). Compiled as code unless the caller lowers
+    MAX_LINEAR_WEIGHTS; then each runs the sparse gemv."""
+    inits = {"wc": pruned_weight(rng, (4, 3, 3, 3), 0.5),
+             "w1": pruned_weight(rng, (1000, 64), 0.8), "b1": rng.standard_normal(1000).astype(F32),
+             "w2": pruned_weight(rng, (1002, 1000), 0.9).T.copy(),
+             "w3": pruned_weight(rng, (1000, 1002), 0.9), "b3": rng.standard_normal(1000).astype(F32)}
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["f"]),
+             helper.make_node("Gemm", ["f", "w1", "b1"], ["g1"], name="head1", transB=1),
+             helper.make_node("Relu", ["g1"], ["r1"]),
+             helper.make_node("MatMul", ["r1", "w2"], ["g2"], name="head2"),
+             helper.make_node("Relu", ["g2"], ["r2"]),
+             helper.make_node("Gemm", ["r2", "w3", "b3"], ["out"], name="head3", transB=1)]
+    return save_model(Path(folder) / "pruned_head.onnx", nodes, inits, ["N", 3, 4, 4]), inits

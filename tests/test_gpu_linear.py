@@ -157,3 +157,26 @@ def test_runner_streams_dense_heads_through_gemv(tmp_path, cuda_graph):
         assert relative_l2(y, run_reference(sparse.program, x)[0]) <= TOL, batch
     assert sorted(sparse._gemv_arrays) == ["head1", "head2"]
     assert sparse._gemv_arrays["head1"][0] is sparse._constants["w1"]  # the constant itself, not a copy
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_runner_streams_pruned_heads_it_does_not_compile_through_the_sparse_gemv(tmp_path, monkeypatch, cuda_graph):
+    """Pruned Gemm / MatMul heads over MAX_LINEAR_WEIGHTS (lowered so the
+    model stays small) run the sparse kernel at batch <= 8 and the operator
+    above; float64 reference on fresh inputs."""
+    import sparseconv.runner as runner
+    from onnx_models import pruned_head
+
+    from sparseconv.gemv import MAX_GEMV_BATCH
+
+    monkeypatch.setattr(runner, "MAX_LINEAR_WEIGHTS", 1000)
+    rng = np.random.default_rng()
+    path, _ = pruned_head(tmp_path, rng)
+    sparse = runner.compile_model(path, cache_dir=str(tmp_path / "cache"), cuda_graph=cuda_graph, route_batches=None)
+    assert any(line.startswith("head2: MatMul, not compiled (sparseconv's sparse gemv") for line in sparse.plan)
+    for batch in (1, 3, MAX_GEMV_BATCH, MAX_GEMV_BATCH + 1, 3):
+        x = rng.standard_normal((batch, 3, 4, 4)).astype(np.float32)
+        y = sparse(x).get()
+        assert relative_l2(y, runner.run_reference(sparse.program, x)[0]) <= TOL, batch
+    assert sorted(sparse._gemv_arrays) == ["head1", "head2", "head3"]
+    assert all(len(arrays) == 3 for arrays in sparse._gemv_arrays.values())  # entries, row starts, bias

@@ -19,7 +19,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import helper  # noqa: E402
 
-from onnx_models import dense_head, save_model as _save  # noqa: E402
+from onnx_models import dense_head, pruned_head, save_model as _save  # noqa: E402
 
 F32 = np.float32
 
@@ -189,6 +189,49 @@ def test_the_gemv_kernel_inside_the_runner(tmp_path):
     (y,) = execute(program, x, np, _conv_float32, np.float32, dense_linear=dense_linear)
     (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     assert ran == ["head1", "head2"] and not np.isnan(y).any() and relative_l2(y, want) <= 1e-5
+
+
+def test_pruned_heads_left_uncompiled_take_the_sparse_gemv(tmp_path, monkeypatch):
+    """Pruned Gemm/MatMul layers over MAX_LINEAR_WEIGHTS (lowered here so the
+    model stays small) are not compiled; the runner streams their nonzero
+    weights through the sparse kernel (PTX interpreter here), 1,002 inputs
+    included: equal to onnxruntime within fp32 rounding."""
+    import sparseconv.runner as runner
+    from sparseconv.compile import compile_to_ptx
+    from sparseconv.gemv import SPARSE_GEMV_VARIANT, WARPS_PER_BLOCK, sparse_gemv_source, sparse_rows
+    from sparseconv.shapes import Target
+
+    monkeypatch.setattr(runner, "MAX_LINEAR_WEIGHTS", 1000)
+    rng = np.random.default_rng(7)
+    path, w = pruned_head(tmp_path, rng)
+    program = load_program(path)
+    assert sorted(program.gemv_layers) == ["head1", "head2", "head3"] and not program.linears
+    assert all(g.sparse for g in program.gemv_layers.values())
+    plan = program.plan()
+    assert any(line.startswith("head3: Gemm, not compiled (sparseconv's sparse gemv at batch <= 8, else CuPy "
+                               "matmul): 1,002,000 weights > 1,000") for line in plan), plan
+    r = CliRunner().invoke(main, ["inspect", str(path)])  # and `sparseconv inspect` says so
+    lines = {line.split()[0]: line for line in r.output.splitlines()[2:] if line.strip()}
+    assert "run: not compiled (sparseconv's sparse gemv at batch <= 8), 1,002,000 weights" in lines["head2"]
+
+    x = rng.standard_normal((2, 3, 4, 4)).astype(F32)
+    ptx = compile_to_ptx(sparse_gemv_source(2), Target(), "the sparse gemv kernel")
+    ran = []
+
+    def sparse_linear(layer, inp, values):
+        rows = sparse_rows(layer.weight)
+        n, out_f = inp.shape[0], layer.weight.shape[0]
+        y = np.full((n, out_f), np.nan, F32)
+        bias = layer.bias if layer.bias is not None else np.zeros(out_f, F32)
+        run_kernel(ptx, "sc_sparse_gemv", grid=(-(-out_f // (WARPS_PER_BLOCK // SPARSE_GEMV_VARIANT.split)), 1, 1),
+                   block=(WARPS_PER_BLOCK * 32, 1, 1),
+                   args=[np.ascontiguousarray(inp, F32), rows.entries, rows.row_start, bias, y, inp.shape[1], out_f])
+        ran.append(layer.name)
+        return y
+
+    (y,) = execute(program, x, np, _conv_float32, np.float32, dense_linear=sparse_linear)
+    (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert ran == ["head1", "head2", "head3"] and not np.isnan(y).any() and relative_l2(y, want) <= 1e-5
 
 
 def _conv_float32(layer, inp):
