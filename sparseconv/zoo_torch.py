@@ -92,16 +92,19 @@ class VGG16(nn.Module):
 NETWORKS: Dict[str, Callable[[], nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16}
 
 
-def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False) -> nn.Module:
-    """Zero the smallest-magnitude fraction `sparsity` of every conv's weights,
-    in place. rescale=True multiplies the survivors by 1/sqrt(1 - sparsity),
-    keeping each layer's output variance (as fine-tuning after pruning would),
-    so a deep random network does not fade to its biases."""
+def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False,
+                 linears: bool = False) -> nn.Module:
+    """Zero the smallest-magnitude fraction `sparsity` of every conv's weights
+    (and every nn.Linear's with linears=True), in place. rescale=True
+    multiplies the survivors by 1/sqrt(1 - sparsity), keeping each layer's
+    output variance (as fine-tuning after pruning would), so a deep random
+    network does not fade to its biases."""
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    kinds = (nn.Conv2d, nn.Linear) if linears else (nn.Conv2d,)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.Conv2d):
+            if isinstance(m, kinds):
                 w = m.weight
                 k = int(round(sparsity * w.numel()))
                 if k:
@@ -112,12 +115,13 @@ def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False) ->
     return model
 
 
-def build_network(name: str, *, sparsity: float = 0.9, seed: int = 0) -> nn.Module:
+def build_network(name: str, *, sparsity: float = 0.9, seed: int = 0, prune_linears: bool = False) -> nn.Module:
     """A built-in network in eval mode with seeded random weights: torchvision's
-    init (Kaiming normal convs, N(0, 0.01) linears), every conv pruned to
-    `sparsity` by magnitude (survivors rescaled), then BN statistics measured on
-    a random batch and random BN affine parameters, so folding them matters and
-    the logits are far from ties (top-1 agreement means something)."""
+    init (Kaiming normal convs, N(0, 0.01) linears), every conv (and with
+    prune_linears every nn.Linear: the classifier) pruned to `sparsity` by
+    magnitude (survivors rescaled), then BN statistics measured on a random
+    batch and random BN affine parameters, so folding them matters and the
+    logits are far from ties (top-1 agreement means something)."""
     if name not in NETWORKS:
         raise ValueError(f"unknown network {name!r}; built in: {', '.join(NETWORKS)}")
     rng_state = torch.random.get_rng_state()
@@ -133,7 +137,7 @@ def build_network(name: str, *, sparsity: float = 0.9, seed: int = 0) -> nn.Modu
                 elif isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, 0, 0.01)
                     nn.init.zeros_(m.bias)
-        prune_convs_(model, sparsity, rescale=True)
+        prune_convs_(model, sparsity, rescale=True, linears=prune_linears)
         bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
         if bns:
             for m in bns:

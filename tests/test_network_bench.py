@@ -52,6 +52,15 @@ def test_pruning_hits_the_sparsity_in_every_conv_by_magnitude(sparsity):
         assert torch.equal(c.weight[~zero], w[~zero])
 
 
+def test_prune_linears_prunes_the_classifier_too_and_only_when_asked():
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 64), nn.Linear(64, 10))
+    prune_convs_(m, 0.75)
+    assert float((m[0].weight == 0).double().mean()) == 0.75 and not (m[2].weight == 0).any()
+    prune_convs_(m, 0.75, linears=True)
+    for layer in (m[2], m[3]):
+        assert float((layer.weight == 0).double().mean()) == 0.75
+
+
 def test_built_in_network_is_pruned_seeded_and_in_eval_mode():
     a, b = build_network("resnet50", sparsity=0.9, seed=3), build_network("resnet50", sparsity=0.9, seed=3)
     assert not a.training
@@ -133,13 +142,16 @@ def test_plot_writes_one_panel_per_batch(tmp_path):
     assert w > 1.5 * h  # two panels side by side
 
 
-@pytest.mark.parametrize("batches", [(1,), (1, 64)], ids=["one-panel", "two-panels"])
-def test_the_plot_title_fits_in_the_figure(batches):
+@pytest.mark.parametrize("batches,network", [((1,), "ResNet-50"), ((1, 64), "ResNet-50"),
+                                            ((1,), "VGG-16 (Linears pruned too)")],
+                         ids=["one-panel", "two-panels", "one-panel-long-name"])
+def test_the_plot_title_fits_in_the_figure(batches, network):
     """Session 23's one-panel chart (a single --batch) cut its title at both ends."""
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
     r = _report()
+    r.network = network
     r.timings = [t for t in r.timings if t.batch in batches]
     r.device = "NVIDIA H100 80GB HBM3"
     fig = report_figure(r)
@@ -166,6 +178,36 @@ def test_cli_refuses_unknown_networks_and_variants_with_usage_errors():
     assert r.exit_code == 2 and "unknown eager fp16" in r.output
     r = runner.invoke(network_command, ["--batch", "x"])
     assert r.exit_code == 2
+
+
+def test_prune_linears_is_refused_where_there_is_no_built_in_network_to_prune():
+    from sparseconv.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "--prune-linears"])
+    assert r.exit_code == 2 and "--prune-linears prunes a built-in network's classifier: use it with --network" \
+        in r.output
+    with pytest.raises(NetworkBenchError, match="prune_linears prunes a built-in network; a module is timed as given"):
+        run_network_bench(nn.Linear(2, 2), prune_linears=True)
+
+
+def test_plot_and_json_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A figure that fails to save leaves the previous file as it was and no
+    temporary file behind."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    path = tmp_path / "net.png"
+    path.write_bytes(b"previous")
+
+    def broken_savefig(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"half a PNG")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", broken_savefig)
+    with pytest.raises(OSError, match="No space left"):
+        plot_report(_report(), path)
+    assert path.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["net.png"]
 
 
 def test_run_refuses_bad_arguments_before_building():

@@ -16,6 +16,7 @@ from ..cli_options import (cache_dir_option, format_option, input_size_option, i
 from ..compile import CompileError, ToolNotFoundError
 from .network import VARIANTS as NETWORK_VARIANTS
 from .network import network_command
+from .output import write_atomically
 from .report import LABELS, BenchResult, format_table, plot_sweep, require_matplotlib
 from ..table import MAX_TABLE_BATCH
 from .rows import BASELINES, PATHS, BenchError
@@ -77,6 +78,9 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
                    "eager and torch.compile, fp32 and TF32 (see sparseconv/benchmark/network.py).")
 @click.option("--variants", "variant_text", default=",".join(NETWORK_VARIANTS), show_default=True,
               help="With --network: which of " + ", ".join(NETWORK_VARIANTS) + " to time.")
+@click.option("--prune-linears", is_flag=True,
+              help="With --network: prune every nn.Linear (the classifier) to --sparsity too; the default prunes "
+                   "the convs only.")
 @click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Time this model's conv layers, with its own weights, instead of the 10 benchmark layers.")
 @format_option
@@ -113,7 +117,8 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 @cache_dir_option
 @click.option("--jobs", type=click.IntRange(1), default=None, help="Parallel kernel builds (default: CPU count).")
 @click.pass_context
-def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_path: Optional[Path], fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
+def bench(ctx: click.Context, network: Optional[str], variant_text: str, prune_linears: bool, model_path: Optional[Path],
+          fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str],
           layer_globs: str, sparsity: Optional[str], sweep: bool, batches: Tuple[int, ...], baselines_text: str,
           paths_text: str, repeat: int, max_seconds: float, graphs: bool, cudnn_benchmark: bool, seed: int,
           json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path],
@@ -131,6 +136,8 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
         sparseconv bench --model models/lenet_digits_pruned.onnx --batch 256
         sparseconv bench --network resnet50 --batch 1 --batch 64 --plot resnet50.png
     """
+    if prune_linears and network is None:
+        raise click.UsageError("--prune-linears prunes a built-in network's classifier: use it with --network")
     if network is not None:
         if model_path is not None or sweep:
             raise click.UsageError("--network times a whole network: leave out --model and --sweep")
@@ -145,7 +152,8 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
             raise click.BadParameter(f"one sparsity in [0, 1) with --network, got {sparsity!r}",
                                      param_hint="--sparsity")
         ctx.invoke(network_command, network=network, batch_text=",".join(map(str, batches or (1, 64))),
-                   sparsity=sparsity_value, input_text=input_size or "224", variant_text=variant_text,
+                   sparsity=sparsity_value, prune_linears=prune_linears, input_text=input_size or "224",
+                   variant_text=variant_text,
                    repeat=min(repeat, 30), json_path=json_path, plot_path=plot_path, cache_dir=cache_dir)
         return
     sparsities = _sparsities(model_path, sparsity, sweep)
@@ -171,7 +179,7 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, model_p
     result = _run(layers, config, invoked_command())
     click.echo(format_table(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(result.to_dict(), indent=1) + "\n")
+        write_atomically(json_path, lambda tmp: tmp.write_text(json.dumps(result.to_dict(), indent=1) + "\n"))
         click.echo(f"wrote {json_path}", err=True)
     if plot_path is not None:
         plotted = plot_sweep(result, str(plot_path))

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import click
 
 from ..cli_options import invoked_command, parse_size
+from .output import write_atomically
 
 VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
 TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
@@ -124,7 +125,11 @@ def check_network_name(network: str) -> None:
         raise NetworkBenchError(f"unknown network {network!r}; built in: {', '.join(NAMES)}")
 
 
-def _network(network: Union[str, Any], sparsity: float, seed: int) -> Tuple[str, Any]:
+# How a built-in network built with prune_linears=True is named in tables and charts.
+PRUNED_LINEARS = " (Linears pruned too)"
+
+
+def _network(network: Union[str, Any], sparsity: float, seed: int, prune_linears: bool) -> Tuple[str, Any]:
     from torch import nn
 
     from ..zoo_torch import build_network  # torch: imported when a network is built
@@ -132,7 +137,8 @@ def _network(network: Union[str, Any], sparsity: float, seed: int) -> Tuple[str,
     if isinstance(network, nn.Module):
         return type(network).__name__, network.eval()
     check_network_name(network)
-    return NAMES[network], build_network(network, sparsity=sparsity, seed=seed)
+    return (NAMES[network] + (PRUNED_LINEARS if prune_linears else ""),
+            build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears))
 
 
 def _plan_summary(plans: Sequence[Any]) -> Dict[str, int]:
@@ -153,9 +159,10 @@ def plan_layers(plans: Sequence[Any]) -> List[Dict[str, str]]:
 def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
                       sparsity: float = 0.9, input_size: Tuple[int, int] = (224, 224), seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
-                      progress: bool = True, command: str = "") -> NetworkReport:
+                      progress: bool = True, command: str = "", prune_linears: bool = False) -> NetworkReport:
     """Time `network` ("resnet50", "vgg16" with every conv pruned to
-    `sparsity`, or an nn.Module timed as given) per forward at each batch size,
+    `sparsity`, and every nn.Linear too with prune_linears; or an nn.Module
+    timed as given) per forward at each batch size,
     for each variant, on the current CUDA device. A variant that fails (e.g.
     torch.compile without a working inductor) is reported with its error, not
     raised; sparseconv's own failures are raised."""
@@ -168,25 +175,28 @@ def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[i
         raise NetworkBenchError(f"batch sizes must be positive, got {list(batches)}")
     if isinstance(network, str):
         check_network_name(network)
+    elif prune_linears:
+        raise NetworkBenchError("prune_linears prunes a built-in network; a module is timed as given")
     if not torch.cuda.is_available():
         raise NetworkBenchError("no CUDA device: the network bench times on the GPU")
     import torch._inductor.config as inductor_config
 
     freezing = inductor_config.freezing
     try:
-        return _run(network, batches, sparsity, input_size, seed, variants, repeat, cache_dir, progress, command)
+        return _run(network, batches, sparsity, input_size, seed, variants, repeat, cache_dir, progress, command,
+                    prune_linears)
     finally:
         inductor_config.freezing = freezing
 
 
 def _run(network: Union[str, Any], batches: Sequence[int], sparsity: float, input_size: Tuple[int, int], seed: int,
          variants: Sequence[str], repeat: int, cache_dir: Optional[str], progress: bool,
-         command: str) -> NetworkReport:
+         command: str, prune_linears: bool) -> NetworkReport:
     import torch
 
     from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
 
-    name, net = _network(network, sparsity, seed)
+    name, net = _network(network, sparsity, seed, prune_linears)
     device = torch.device("cuda", torch.cuda.current_device())
     net = net.to(device).eval()
     report = NetworkReport(name, torch.cuda.get_device_name(device), time.strftime("%Y-%m-%d"), command,
@@ -291,10 +301,10 @@ def plot_report(report: NetworkReport, path: Union[str, Path]) -> Path:
     import matplotlib.pyplot as plt
 
     fig = report_figure(report)
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        return write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    finally:
+        plt.close(fig)
 
 
 def report_figure(report: NetworkReport) -> Any:
@@ -351,6 +361,9 @@ def parse_batches(text: str) -> Tuple[int, ...]:
 @click.option("--batch", "batch_text", default="1,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=0.9, show_default=True,
               help="Every conv is pruned to this fraction of zeros (by magnitude).")
+@click.option("--prune-linears", is_flag=True,
+              help="Prune every nn.Linear (the classifier) to --sparsity too, as a pruned network often is; "
+                   "the default prunes the convs only.")
 @click.option("--input-size", "input_text", default="224", show_default=True, help="Input H x W, e.g. 224 or 224x192.")
 @click.option("--variants", "variant_text", default=",".join(VARIANTS), show_default=True,
               help="Comma-separated subset of the variants to time.")
@@ -361,8 +374,9 @@ def parse_batches(text: str) -> Tuple[int, ...]:
               help="Write a PNG bar chart here (needs matplotlib).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
-def network_command(network: str, batch_text: str, sparsity: float, input_text: str, variant_text: str, repeat: int,
-                    json_path: Optional[Path], plot_path: Optional[Path], cache_dir: Optional[Path]) -> None:
+def network_command(network: str, batch_text: str, sparsity: float, prune_linears: bool, input_text: str,
+                    variant_text: str, repeat: int, json_path: Optional[Path], plot_path: Optional[Path],
+                    cache_dir: Optional[Path]) -> None:
     """Time a whole pruned network per forward: sparseconv vs PyTorch eager and torch.compile (fp32, TF32)."""
 
     batches = parse_batches(batch_text)
@@ -384,13 +398,13 @@ def network_command(network: str, batch_text: str, sparsity: float, input_text: 
     try:
         report = run_network_bench(network, batches, sparsity=sparsity, input_size=size, variants=variants,
                                    repeat=repeat, cache_dir=None if cache_dir is None else str(cache_dir),
-                                   command=command)
+                                   command=command, prune_linears=prune_linears)
     except NetworkBenchError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     click.echo(format_table([report]))
     if json_path is not None:
-        json_path.write_text(report.to_json())
+        write_atomically(json_path, lambda tmp: tmp.write_text(report.to_json()))
     if plot_path is not None:
         plot_report(report, plot_path)
         click.echo(f"plot: {plot_path}")

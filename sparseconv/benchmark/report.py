@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..shapes import ConvShape
+from .output import write_atomically
 from .rows import BASELINES, PATHS, BenchError, BenchRow
 
 LABELS = {"sparseconv": "sparseconv", "code": "code", "table": "table", "cudnn_fp32": "cuDNN fp32",
@@ -219,8 +220,10 @@ def plot_sweep(result: BenchResult, path: str) -> Tuple[str, ...]:
     fig, baselines = sweep_figure(result.to_dict())  # first: it says so when matplotlib is missing
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120))
+    finally:
+        plt.close(fig)
     return baselines
 
 
