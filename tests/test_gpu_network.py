@@ -53,3 +53,21 @@ def test_built_in_vgg16_small_input(session_cache_dir):
     assert sum(report.plan.values()) == 13 and set(report.plan) <= {"relu", "dense", "mixed"}
     (ours,) = [t for t in report.timings if t.variant == "sparseconv"]
     assert ours.rel_l2 <= 1e-5 and ours.top1 == 1.0
+
+
+def test_an_onnx_file_runs_through_the_network_bench(session_cache_dir):
+    """The shipped LeNet (ONNX), converted by onnx_torch: sparsify's kernels
+    against float64 of the same converted network, at its own input size."""
+    from pathlib import Path
+
+    from sparseconv.benchmark.network import format_table, run_network_bench
+
+    path = Path(__file__).resolve().parents[1] / "models" / "lenet_digits_pruned.onnx"
+    report = run_network_bench(str(path), (1, 16), variants=["sparseconv", "eager fp32"], repeat=3,
+                               cache_dir=str(session_cache_dir), progress=False)
+    assert report.network == "lenet_digits_pruned.onnx" and report.input_size == (8, 8) and report.sparsity is None
+    assert sum(report.plan.values()) >= 2   # its two convs, with their ReLU fused
+    assert all(d["fused"] == "relu" for d in report.plan_layers if d["kind"] == "conv")
+    for t in report.timings:
+        assert t.us > 0 and t.rel_l2 <= 1e-5 and t.top1 == 1.0, t
+    assert "| lenet_digits_pruned.onnx, 16 |" in format_table([report])

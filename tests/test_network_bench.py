@@ -173,7 +173,7 @@ def test_cli_refuses_unknown_networks_and_variants_with_usage_errors():
     r = runner.invoke(network_command, ["--network", "alexnet"])
     assert r.exit_code == 2 and "unknown network 'alexnet'" in r.output
     r = runner.invoke(network_command, ["--network", "m.onnx"])
-    assert r.exit_code == 2 and "not supported by the network bench yet" in r.output
+    assert r.exit_code == 2 and "m.onnx: no such ONNX file" in r.output
     r = runner.invoke(network_command, ["--variants", "eager fp16"])
     assert r.exit_code == 2 and "unknown eager fp16" in r.output
     r = runner.invoke(network_command, ["--batch", "x"])
@@ -186,7 +186,8 @@ def test_prune_linears_is_refused_where_there_is_no_built_in_network_to_prune():
     r = CliRunner().invoke(main, ["bench", "--prune-linears"])
     assert r.exit_code == 2 and "--prune-linears prunes a built-in network's classifier: use it with --network" \
         in r.output
-    with pytest.raises(NetworkBenchError, match="prune_linears prunes a built-in network; a module is timed as given"):
+    with pytest.raises(NetworkBenchError, match="prune_linears prunes a built-in network; a module or an ONNX file "
+                                                "is timed as given"):
         run_network_bench(nn.Linear(2, 2), prune_linears=True)
 
 

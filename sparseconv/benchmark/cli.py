@@ -74,8 +74,8 @@ def _sparsities(model_path: Optional[Path], sparsity: Optional[str], sweep: bool
 
 @click.command()
 @click.option("--network", default=None,
-              help="Time a whole pruned network per forward instead (resnet50 or vgg16): sparseconv vs PyTorch "
-                   "eager and torch.compile, fp32 and TF32 (see sparseconv/benchmark/network.py).")
+              help="Time a whole pruned network per forward instead (resnet50, vgg16 or an ONNX file): sparseconv "
+                   "vs PyTorch eager and torch.compile, fp32 and TF32 (see sparseconv/benchmark/network.py).")
 @click.option("--variants", "variant_text", default=",".join(NETWORK_VARIANTS), show_default=True,
               help="With --network: which of " + ", ".join(NETWORK_VARIANTS) + " to time.")
 @click.option("--prune-linears", is_flag=True,
@@ -139,6 +139,8 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, prune_l
     if prune_linears and network is None:
         raise click.UsageError("--prune-linears prunes a built-in network's classifier: use it with --network")
     if network is not None:
+        if sparsity is not None and str(network).lower().endswith(".onnx"):
+            raise click.UsageError("--sparsity prunes a built-in network; an ONNX file is timed with its own weights")
         if model_path is not None or sweep:
             raise click.UsageError("--network times a whole network: leave out --model and --sweep")
         if paths_text != "both":
@@ -152,7 +154,7 @@ def bench(ctx: click.Context, network: Optional[str], variant_text: str, prune_l
             raise click.BadParameter(f"one sparsity in [0, 1) with --network, got {sparsity!r}",
                                      param_hint="--sparsity")
         ctx.invoke(network_command, network=network, batch_text=",".join(map(str, batches or (1, 64))),
-                   sparsity=sparsity_value, prune_linears=prune_linears, input_text=input_size or "224",
+                   sparsity=sparsity_value, prune_linears=prune_linears, input_text=input_size,
                    variant_text=variant_text,
                    repeat=min(repeat, 30), json_path=json_path, plot_path=plot_path, cache_dir=cache_dir)
         return

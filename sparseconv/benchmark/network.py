@@ -117,28 +117,48 @@ def exactness(y: Any, ref: Any) -> Tuple[float, float]:
     return rel, top1
 
 
-def check_network_name(network: str) -> None:
-    if network.endswith(".onnx"):
-        raise NetworkBenchError(f"network {network}: ONNX networks are not supported by the network bench yet; "
-                                f"built in: {', '.join(NAMES)}")
+def is_onnx(network: Any) -> bool:
+    return isinstance(network, (str, Path)) and str(network).lower().endswith(".onnx")
+
+
+def check_network_name(network: Union[str, Path]) -> None:
+    if is_onnx(network):
+        if not Path(network).is_file():
+            raise NetworkBenchError(f"{network}: no such ONNX file")
+        return
     if network not in NAMES:
-        raise NetworkBenchError(f"unknown network {network!r}; built in: {', '.join(NAMES)}")
+        raise NetworkBenchError(f"unknown network {network!r}; built in: {', '.join(NAMES)}, or an ONNX file "
+                                "(*.onnx)")
 
 
 # How a built-in network built with prune_linears=True is named in tables and charts.
 PRUNED_LINEARS = " (Linears pruned too)"
 
 
-def _network(network: Union[str, Any], sparsity: float, seed: int, prune_linears: bool) -> Tuple[str, Any]:
+def _network(network: Union[str, Path, Any], sparsity: float, seed: int, prune_linears: bool,
+             input_size: Optional[Tuple[int, int]]) -> Tuple[str, Any, Tuple[int, ...]]:
+    """(name, the module in eval mode, its input shape (C, H, W)). Built-in
+    networks and modules take 3 x input_size (224 x 224 by default); an ONNX
+    file its own input shape, with H x W replaced by input_size if given."""
     from torch import nn
 
     from ..zoo_torch import build_network  # torch: imported when a network is built
 
+    size = tuple(input_size or (224, 224))
     if isinstance(network, nn.Module):
-        return type(network).__name__, network.eval()
+        return type(network).__name__, network.eval(), (3,) + size
     check_network_name(network)
+    if is_onnx(network):
+        from ..model import ModelError
+        from ..onnx_torch import onnx_to_torch
+
+        try:
+            module, shape = onnx_to_torch(Path(network), input_size)
+        except ModelError as exc:
+            raise NetworkBenchError(str(exc)) from None
+        return Path(network).name, module, shape
     return (NAMES[network] + (PRUNED_LINEARS if prune_linears else ""),
-            build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears))
+            build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears), (3,) + size)
 
 
 def _plan_summary(plans: Sequence[Any]) -> Dict[str, int]:
@@ -156,13 +176,15 @@ def plan_layers(plans: Sequence[Any]) -> List[Dict[str, str]]:
             for p in plans]
 
 
-def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
-                      sparsity: float = 0.9, input_size: Tuple[int, int] = (224, 224), seed: int = 0,
+def run_network_bench(network: Union[str, Path, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
+                      sparsity: float = 0.9, input_size: Optional[Tuple[int, int]] = None, seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
                       progress: bool = True, command: str = "", prune_linears: bool = False) -> NetworkReport:
     """Time `network` ("resnet50", "vgg16" with every conv pruned to
-    `sparsity`, and every nn.Linear too with prune_linears; or an nn.Module
-    timed as given) per forward at each batch size,
+    `sparsity`, and every nn.Linear too with prune_linears; an ONNX file,
+    converted by onnx_torch, or an nn.Module, each timed as given) per forward
+    at each batch size (input_size: H x W, default 224 x 224 or the ONNX
+    file's),
     for each variant, on the current CUDA device. A variant that fails (e.g.
     torch.compile without a working inductor) is reported with its error, not
     raised; sparseconv's own failures are raised."""
@@ -173,10 +195,10 @@ def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[i
         raise NetworkBenchError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if not batches or any(b < 1 for b in batches):
         raise NetworkBenchError(f"batch sizes must be positive, got {list(batches)}")
-    if isinstance(network, str):
+    if isinstance(network, (str, Path)):
         check_network_name(network)
-    elif prune_linears:
-        raise NetworkBenchError("prune_linears prunes a built-in network; a module is timed as given")
+    if prune_linears and not (isinstance(network, str) and network in NAMES):
+        raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
     if not torch.cuda.is_available():
         raise NetworkBenchError("no CUDA device: the network bench times on the GPU")
     import torch._inductor.config as inductor_config
@@ -189,20 +211,22 @@ def run_network_bench(network: Union[str, Any] = "resnet50", batches: Sequence[i
         inductor_config.freezing = freezing
 
 
-def _run(network: Union[str, Any], batches: Sequence[int], sparsity: float, input_size: Tuple[int, int], seed: int,
+def _run(network: Union[str, Path, Any], batches: Sequence[int], sparsity: float,
+         input_size: Optional[Tuple[int, int]], seed: int,
          variants: Sequence[str], repeat: int, cache_dir: Optional[str], progress: bool,
          command: str, prune_linears: bool) -> NetworkReport:
     import torch
 
     from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
 
-    name, net = _network(network, sparsity, seed, prune_linears)
+    name, net, in_shape = _network(network, sparsity, seed, prune_linears, input_size)
+    built_in = isinstance(network, str) and network in NAMES
     device = torch.device("cuda", torch.cuda.current_device())
     net = net.to(device).eval()
     report = NetworkReport(name, torch.cuda.get_device_name(device), time.strftime("%Y-%m-%d"), command,
-                           None if not isinstance(network, str) else sparsity, tuple(input_size))
+                           sparsity if built_in else None, tuple(in_shape[1:]))
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    inputs = {b: torch.randn(b, 3, *input_size, generator=gen).to(device) for b in batches}
+    inputs = {b: torch.randn(b, *in_shape, generator=gen).to(device) for b in batches}
     with torch.no_grad():
         ref64 = copy.deepcopy(net).double()
         refs = {b: ref64(x.double()) for b, x in inputs.items()}
@@ -357,14 +381,15 @@ def parse_batches(text: str) -> Tuple[int, ...]:
 
 @click.command("network")
 @click.option("--network", "network", default="resnet50", show_default=True,
-              help="Built-in network: resnet50 or vgg16 (ONNX files: not yet).")
+              help="Built-in network (resnet50 or vgg16, pruned here), or an ONNX file (timed with its own weights).")
 @click.option("--batch", "batch_text", default="1,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=0.9, show_default=True,
               help="Every conv is pruned to this fraction of zeros (by magnitude).")
 @click.option("--prune-linears", is_flag=True,
               help="Prune every nn.Linear (the classifier) to --sparsity too, as a pruned network often is; "
                    "the default prunes the convs only.")
-@click.option("--input-size", "input_text", default="224", show_default=True, help="Input H x W, e.g. 224 or 224x192.")
+@click.option("--input-size", "input_text", default=None,
+              help="Input H x W, e.g. 224 or 224x192 (default: 224, or the ONNX file's).")
 @click.option("--variants", "variant_text", default=",".join(VARIANTS), show_default=True,
               help="Comma-separated subset of the variants to time.")
 @click.option("--repeat", type=click.IntRange(1), default=30, show_default=True, help="Timed calls per variant.")
@@ -374,18 +399,21 @@ def parse_batches(text: str) -> Tuple[int, ...]:
               help="Write a PNG bar chart here (needs matplotlib).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Artifact cache (default: $SPARSECONV_CACHE_DIR or ptx_cache/).")
-def network_command(network: str, batch_text: str, sparsity: float, prune_linears: bool, input_text: str,
+def network_command(network: str, batch_text: str, sparsity: float, prune_linears: bool, input_text: Optional[str],
                     variant_text: str, repeat: int, json_path: Optional[Path], plot_path: Optional[Path],
                     cache_dir: Optional[Path]) -> None:
     """Time a whole pruned network per forward: sparseconv vs PyTorch eager and torch.compile (fp32, TF32)."""
 
     batches = parse_batches(batch_text)
-    size = parse_size(input_text, "--input-size")
+    size = parse_size(input_text, "--input-size") if input_text else None
     variants = [v.strip() for v in variant_text.split(",") if v.strip()]
     try:
         check_network_name(network)
     except NetworkBenchError as exc:
         raise click.BadParameter(str(exc), param_hint="--network") from None
+    if prune_linears and is_onnx(network):
+        raise click.UsageError("--prune-linears prunes a built-in network's classifier; an ONNX file is timed with "
+                               "its own weights")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise click.BadParameter(f"unknown {', '.join(bad)}; known: {', '.join(VARIANTS)}", param_hint="--variants")

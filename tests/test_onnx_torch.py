@@ -1,0 +1,118 @@
+"""CPU: ONNX -> torch.fx (sparseconv/onnx_torch.py), checked against
+onnxruntime, the oracle for ONNX semantics, on fresh random inputs; that
+sparsify's front end folds and fuses the converted graph; and what the
+conversion and `bench --network model.onnx` refuse."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from click.testing import CliRunner  # noqa: E402
+from onnx import helper  # noqa: E402
+
+from onnx_models import save_model  # noqa: E402
+from sparseconv.cli import main  # noqa: E402
+from sparseconv.fx import LinearOptions, prepare  # noqa: E402
+from sparseconv.model import ModelError  # noqa: E402
+from sparseconv.onnx_torch import onnx_to_torch  # noqa: E402
+from sparseconv.testing import pruned_weight, relative_l2  # noqa: E402
+
+LENET = Path(__file__).resolve().parents[1] / "models" / "lenet_digits_pruned.onnx"
+F32 = np.float32
+
+
+def _onnxruntime(path, x):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+def _residual_net(folder, rng):
+    """Conv -> BN -> Relu -> MaxPool (3, stride 2, pad 1) -> Conv -> BN -> Add
+    (the pool's output) -> Relu -> Clip(0, 6) -> Mul by a constant ->
+    GlobalAveragePool -> Reshape (0, -1) -> Gemm transB=1 -> Softmax."""
+    def bn(prefix, c):
+        return {f"{prefix}_s": rng.uniform(0.5, 1.5, c).astype(F32), f"{prefix}_b": rng.uniform(-.2, .2, c).astype(F32),
+                f"{prefix}_m": rng.uniform(-.1, .1, c).astype(F32), f"{prefix}_v": rng.uniform(.5, 2, c).astype(F32)}
+
+    inits = {"w1": pruned_weight(rng, (8, 3, 3, 3), 0.5), "w2": pruned_weight(rng, (8, 8, 3, 3), 0.8),
+             **bn("bn1", 8), **bn("bn2", 8), "lo": np.array(0.0, F32), "hi": np.array(6.0, F32),
+             "k": np.array(0.5, F32), "shape": np.array([0, -1], np.int64),
+             "wf": pruned_weight(rng, (10, 8), 0.3), "bf": rng.standard_normal(10).astype(F32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c1", "bn1_s", "bn1_b", "bn1_m", "bn1_v"], ["n1"], name="bn1"),
+             helper.make_node("Relu", ["n1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+             helper.make_node("Conv", ["p1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c2", "bn2_s", "bn2_b", "bn2_m", "bn2_v"], ["n2"], name="bn2"),
+             helper.make_node("Add", ["n2", "p1"], ["a2"]),
+             helper.make_node("Relu", ["a2"], ["r2"]),
+             helper.make_node("Clip", ["r2", "lo", "hi"], ["q2"]),
+             helper.make_node("Mul", ["q2", "k"], ["m2"]),
+             helper.make_node("GlobalAveragePool", ["m2"], ["g"]),
+             helper.make_node("Reshape", ["g", "shape"], ["f"]),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["logits"], name="fc", transB=1),
+             helper.make_node("Softmax", ["logits"], ["out"], axis=1)]
+    return save_model(Path(folder) / "residual.onnx", nodes, inits, ["N", 3, 12, 12])
+
+
+def test_the_shipped_lenet_converts_and_matches_onnxruntime():
+    module, shape = onnx_to_torch(LENET)
+    assert shape == (1, 8, 8)
+    x = np.random.default_rng().standard_normal((5,) + shape).astype(F32)
+    with torch.no_grad():
+        got = module(torch.from_numpy(x)).numpy()
+    assert relative_l2(got, _onnxruntime(LENET, x)) <= 1e-6
+
+
+def test_a_residual_net_converts_matches_onnxruntime_and_sparsify_folds_and_fuses_it(tmp_path):
+    path = _residual_net(tmp_path, np.random.default_rng(3))
+    module, shape = onnx_to_torch(path)
+    assert shape == (3, 12, 12)
+    types = {type(m).__name__ for m in module.modules()}
+    assert {"Conv2d", "BatchNorm2d", "ReLU", "ReLU6", "MaxPool2d", "AdaptiveAvgPool2d", "Linear"} <= types
+    x = np.random.default_rng().standard_normal((3,) + shape).astype(F32)
+    with torch.no_grad():
+        got = module(torch.from_numpy(x)).numpy()
+    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
+    # the image size can be changed, as for `sparseconv run`
+    assert onnx_to_torch(path, (16, 20))[1] == (3, 16, 20)
+    # what sparsify does with it: BN folded, the residual add and the ReLU fused
+    front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+    assert front.traced
+    assert [(p.name, p.fused) for p in front.plans if p.kind == "conv"] == [
+        ("conv1", ("bn", "relu")), ("conv2", ("bn", "add", "relu"))]
+    with torch.no_grad():
+        assert relative_l2(front.module(torch.from_numpy(x)).numpy(), got) <= 1e-5
+
+
+def test_an_operator_it_does_not_cover_is_refused_naming_the_node_and_the_alternative(tmp_path):
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("LayerNormalization", ["c", "g"], ["out"], name="norm", axis=-1)]
+    path = save_model(tmp_path / "ln.onnx", nodes, {"w": pruned_weight(rng, (4, 3, 1, 1), 0.5),
+                                                     "g": np.ones(5, F32)}, [1, 3, 5, 5])
+    with pytest.raises(ModelError, match=r"ln.onnx: node norm has operator LayerNormalization, which the ONNX -> "
+                                         r"torch conversion does not cover .*`sparseconv run .*ln.onnx` runs"):
+        onnx_to_torch(path)
+
+
+def test_bench_network_takes_an_onnx_file_and_refuses_what_does_not_apply_to_one(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(main, ["bench", "--network", str(tmp_path / "missing.onnx")])
+    assert r.exit_code == 2 and "missing.onnx: no such ONNX file" in r.output
+    r = runner.invoke(main, ["bench", "--network", str(LENET), "--prune-linears"])
+    assert r.exit_code == 2 and "an ONNX file is timed with its own weights" in r.output
+    r = runner.invoke(main, ["bench", "--network", str(LENET), "--sparsity", "0.5"])
+    assert r.exit_code == 2 and "--sparsity prunes a built-in network" in r.output
+    # the bench's own view of an ONNX network: its file name, the converted module, its input shape
+    from sparseconv.benchmark.network import NetworkBenchError, _network
+
+    name, module, shape = _network(str(LENET), 0.9, 0, False, None)
+    assert name == "lenet_digits_pruned.onnx" and shape == (1, 8, 8) and not module.training
+    assert _network(str(LENET), 0.9, 0, False, (16, 16))[2] == (1, 16, 16)
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    with pytest.raises(NetworkBenchError, match="bad.onnx"):
+        _network(str(tmp_path / "bad.onnx"), 0.9, 0, False, None)
