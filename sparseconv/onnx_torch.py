@@ -36,10 +36,24 @@ def onnx_reshape(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def onnx_flatten(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """ONNX Flatten: 2-D, the dimensions before `axis` in the first."""
+    """ONNX Flatten (axis >= 0): 2-D, the dimensions before `axis` in the
+    first, the rest (or 1) in the second. No branch on the rank, so fx can
+    trace it: the trailing 1 makes axis == rank come out (P, 1)."""
     if axis == 0:
         return x.reshape(1, -1)
-    return torch.flatten(torch.flatten(x, 0, axis - 1), 1) if axis > 1 else torch.flatten(x, 1)
+    return torch.flatten(torch.flatten(x, 0, axis - 1).unsqueeze(-1), 1)
+
+
+def _flatten(b: "_Builder", n: Node) -> fx.Node:
+    axis, rank = int(n.attrs.get("axis", 1)), b.rank(n.inputs[0])
+    if axis < 0:
+        if rank is None:
+            raise ModelError(f"{b.where(n)}: a negative axis needs the input's rank, which shape inference left open")
+        axis += rank
+    x = b.value(n.inputs[0])
+    if axis == 1 and rank is not None and rank > 1:  # the usual CNN head: torch's own flatten, which sparsify expects
+        return b.function(torch.flatten, x, 1)
+    return b.function(onnx_flatten, x, axis)
 
 
 class _Builder:
@@ -226,7 +240,7 @@ CONVERTERS: Dict[str, Callable[[_Builder, Node], fx.Node]] = {
     "AveragePool": _pool,
     "GlobalAveragePool": _modular(lambda n: nn.AdaptiveAvgPool2d(1)),
     "GlobalMaxPool": _modular(lambda n: nn.AdaptiveMaxPool2d(1)),
-    "Flatten": lambda b, n: b.function(onnx_flatten, b.value(n.inputs[0]), int(n.attrs.get("axis", 1))),
+    "Flatten": _flatten,
     "Reshape": _reshape,
     "Gemm": _linear,
     "MatMul": _linear,

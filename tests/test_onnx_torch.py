@@ -116,3 +116,19 @@ def test_bench_network_takes_an_onnx_file_and_refuses_what_does_not_apply_to_one
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     with pytest.raises(NetworkBenchError, match="bad.onnx"):
         _network(str(tmp_path / "bad.onnx"), 0.9, 0, False, None)
+
+
+@pytest.mark.parametrize("axis", [0, 2, -1, 4])
+def test_flatten_at_any_axis_matches_onnxruntime(tmp_path, axis):
+    """Flatten before a dense head is axis 1; the others (0, inner, negative,
+    the rank) take onnx_flatten."""
+    rng = np.random.default_rng(axis + 10)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Flatten", ["c"], ["out"], axis=axis)]
+    path = save_model(tmp_path / "flat.onnx", nodes, {"w": pruned_weight(rng, (4, 3, 3, 3), 0.5)}, [2, 3, 5, 6])
+    module, shape = onnx_to_torch(path)
+    x = rng.standard_normal((2,) + shape).astype(F32)
+    with torch.no_grad():
+        got = module(torch.from_numpy(x)).numpy()
+    want = _onnxruntime(path, x)
+    assert got.shape == want.shape and relative_l2(got, want) <= 1e-6

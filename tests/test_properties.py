@@ -103,3 +103,40 @@ def test_cli_sizes_and_spec_values_exit_0_or_2(tmp_path_factory, size, groups):
     assert "Traceback" not in r.output
     if r.exit_code == 2:
         assert len([line for line in r.output.splitlines() if line.startswith("Error:")]) == 1, r.output
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(rows=st.integers(1, 12), cols=st.integers(1, 40), zero_fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**31))
+def test_sparse_rows_hold_exactly_the_nonzero_weights_of_any_matrix(rows, cols, zero_fraction, seed):
+    """The sparse gemv's entries (gemv.sparse_rows): every nonzero weight once,
+    in row then column order, and the matrix back from them, for any shape
+    and sparsity (empty rows, a full matrix, an all-zero one)."""
+    from sparseconv.gemv import sparse_rows
+
+    rng = np.random.default_rng(seed)
+    w = pruned_weight(rng, (rows, cols), zero_fraction)
+    r = sparse_rows(w)
+    assert r.nnz == np.count_nonzero(w) and r.row_start[0] == 0 and r.row_start[-1] == r.nnz
+    assert np.all(np.diff(r.row_start) >= 0) and np.array_equal(np.diff(r.row_start), np.count_nonzero(w, axis=1))
+    assert np.array_equal(r.to_dense(), w)
+    for i in range(rows):
+        assert np.all(np.diff(r.entries[r.row_start[i]:r.row_start[i + 1], 0].astype(np.int64)) > 0)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(dims=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_onnx_reshape_and_flatten_follow_the_onnx_rules(dims, data):
+    """onnx_torch's Reshape (0 copies a dimension, -1 infers one) and Flatten
+    (2-D, the dimensions before axis in the first), against their ONNX
+    definitions written with numpy."""
+    torch = pytest.importorskip("torch")
+    from sparseconv.onnx_torch import onnx_flatten, onnx_reshape
+
+    x = torch.arange(int(np.prod(dims)), dtype=torch.float32).reshape(dims)
+    axis = data.draw(st.integers(0, len(dims)))
+    want = x.numpy().reshape(int(np.prod(dims[:axis])), -1)
+    assert np.array_equal(onnx_flatten(x, axis).numpy(), want)
+    keep = data.draw(st.integers(0, len(dims)))  # copy the first `keep` dimensions with 0, infer the rest with -1
+    shape = [0] * keep + ([-1] if keep < len(dims) else [])
+    assert np.array_equal(onnx_reshape(x, shape).numpy(), x.numpy().reshape(dims[:keep] + ([-1] if keep < len(dims)
+                                                                                           else [])))
