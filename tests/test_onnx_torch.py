@@ -132,3 +132,48 @@ def test_flatten_at_any_axis_matches_onnxruntime(tmp_path, axis):
         got = module(torch.from_numpy(x)).numpy()
     want = _onnxruntime(path, x)
     assert got.shape == want.shape and relative_l2(got, want) <= 1e-6
+
+
+def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_path):
+    """What users bring: a pruned residual CNN exported by torch.onnx (which
+    folds BN into the convs and writes Flatten/Gemm heads), converted back:
+    the same outputs as onnxruntime, and sparsify's front end fuses the
+    residual add and ReLU into the second conv."""
+    import warnings
+
+    from torch import nn
+
+    from sparseconv.zoo_torch import prune_convs_
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.bn0 = nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.conv, self.bn1 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.pool, self.fc = nn.MaxPool2d(3, 2, 1), nn.Linear(16, 10)
+
+        def forward(self, x):
+            x = self.pool(torch.relu(self.bn0(self.stem(x))))
+            x = torch.relu(self.bn1(self.conv(x)) + x)
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+    torch.manual_seed(0)
+    net = prune_convs_(Block(), 0.8).eval()
+    with torch.no_grad():
+        for bn in (net.bn0, net.bn1):
+            bn.running_mean.uniform_(-0.1, 0.1)
+            bn.running_var.uniform_(0.5, 2.0)
+    path = tmp_path / "exported.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, torch.randn(1, 3, 16, 16), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    module, shape = onnx_to_torch(path)
+    assert shape == (3, 16, 16)
+    x = np.random.default_rng().standard_normal((4,) + shape).astype(F32)
+    with torch.no_grad():
+        got = module(torch.from_numpy(x)).numpy()
+    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
+    front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+    fused = sorted(p.fused for p in front.plans if p.kind == "conv")
+    assert fused == [("add", "relu"), ("relu",)]   # BN was folded by the exporter already
