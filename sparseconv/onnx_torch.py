@@ -258,7 +258,8 @@ CONVERTERS: Dict[str, Callable[[_Builder, Node], fx.Node]] = {
 def onnx_to_torch(path: Path, input_size: Optional[Tuple[int, int]] = None) -> Tuple[fx.GraphModule, Tuple[int, ...]]:
     """The ONNX model at `path` as an fx.GraphModule in eval mode (one input,
     NCHW float32; one output, or a tuple), and its input shape without the
-    batch, (C, H, W), with H x W = input_size where given. Raises
+    batch, (C, H, W), with H x W = input_size where given. The module's
+    `onnx_batch` is the batch size the file fixes, or None. Raises
     ModelError naming the file and node for what does not convert."""
     program = load_program(Path(path), input_size)
     builder = _Builder(program)
@@ -278,4 +279,6 @@ def onnx_to_torch(path: Path, input_size: Optional[Tuple[int, int]] = None) -> T
     if len(shape) != 3 or any(not isinstance(d, int) for d in shape):
         raise ModelError(f"{program.path}: the input must be NCHW with C, H and W fixed, got {program.input_shape}; "
                          "pass the image size (--input-size) where H and W are free")
+    # a batch size the file fixes (None: free); constants folded at export may depend on it
+    module.onnx_batch = program.input_shape[0] if isinstance(program.input_shape[0], int) else None
     return module.eval(), tuple(shape)

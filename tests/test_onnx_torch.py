@@ -177,3 +177,17 @@ def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_p
     front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
     fused = sorted(p.fused for p in front.plans if p.kind == "conv")
     assert fused == [("add", "relu"), ("relu",)]   # BN was folded by the exporter already
+
+
+def test_a_file_that_fixes_its_batch_size_is_benched_at_that_size_only(tmp_path):
+    from sparseconv.benchmark.network import NetworkBenchError, check_onnx_batches
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["out"], name="conv")]
+    path = save_model(tmp_path / "b1.onnx", nodes, {"w": pruned_weight(np.random.default_rng(0), (4, 3, 1, 1), 0.5)},
+                      [1, 3, 5, 5])
+    module, _ = onnx_to_torch(path)
+    assert module.onnx_batch == 1 and onnx_to_torch(LENET)[0].onnx_batch is None
+    check_onnx_batches(path, module, (1,))
+    with pytest.raises(NetworkBenchError, match=r"b1.onnx: the file fixes the batch size to 1, asked for 1, 64; "
+                                                r"export it with a dynamic batch axis"):
+        check_onnx_batches(path, module, (1, 64))

@@ -161,6 +161,16 @@ def _network(network: Union[str, Path, Any], sparsity: float, seed: int, prune_l
             build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears), (3,) + size)
 
 
+def check_onnx_batches(network: Union[str, Path], module: Any, batches: Sequence[int]) -> None:
+    """An ONNX file that fixes its batch size runs at that size only: its
+    exporter may have folded it into constants (a Reshape to (1, -1))."""
+    fixed = getattr(module, "onnx_batch", None)
+    if fixed is not None and any(b != fixed for b in batches):
+        raise NetworkBenchError(f"{network}: the file fixes the batch size to {fixed}, asked for "
+                                f"{', '.join(map(str, batches))}; export it with a dynamic batch axis "
+                                f"(torch.onnx.export(..., dynamic_axes={{'x': {{0: 'N'}}}})) or pass --batch {fixed}")
+
+
 def _plan_summary(plans: Sequence[Any]) -> Dict[str, int]:
     out: Dict[str, int] = {}
     for p in plans:
@@ -220,6 +230,7 @@ def _run(network: Union[str, Path, Any], batches: Sequence[int], sparsity: float
     from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
 
     name, net, in_shape = _network(network, sparsity, seed, prune_linears, input_size)
+    check_onnx_batches(network, net, batches)
     built_in = isinstance(network, str) and network in NAMES
     device = torch.device("cuda", torch.cuda.current_device())
     net = net.to(device).eval()
