@@ -35,6 +35,17 @@ def onnx_reshape(x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return x.reshape(*[x.shape[i] if d == 0 else d for i, d in enumerate(shape)])
 
 
+def one_tuple(v: Any) -> Tuple[Any, ...]:
+    """Unsqueeze of a scalar shape value: (v,). Builds the tuple around a
+    traced value without iterating it, so fx can trace through."""
+    return (v,)
+
+
+def gather_ints(shape: Any, indices: Tuple[int, ...]) -> Tuple[Any, ...]:
+    """Gather of several entries of a shape value (indices are constants)."""
+    return tuple(shape[i] for i in indices)
+
+
 def onnx_flatten(x: torch.Tensor, axis: int) -> torch.Tensor:
     """ONNX Flatten (axis >= 0): 2-D, the dimensions before `axis` in the
     first, the rest (or 1) in the second. No branch on the rank, so fx can
@@ -63,8 +74,11 @@ class _Builder:
         self.program = program
         self.root = nn.Module()
         self.graph = fx.Graph()
-        self.values: Dict[str, fx.Node] = {program.input_name: self.graph.placeholder("x")}
+        self.values: Dict[str, Any] = {program.input_name: self.graph.placeholder("x")}
         self.names: Dict[str, int] = {}
+        # ONNX values that hold a shape or a part of one (Shape -> Gather ->
+        # Unsqueeze -> Concat -> Reshape, as exporters write x.view(x.size(0), -1))
+        self.shape_values: set = set()
 
     def where(self, n: Node) -> str:
         return f"{self.program.path}: node {n.name} ({n.op})"
@@ -79,6 +93,16 @@ class _Builder:
 
     def constant(self, name: str) -> Optional[np.ndarray]:
         return self.program.constants.get(name)
+
+    def is_shape(self, name: str) -> bool:
+        const = self.constant(name)
+        return name in self.shape_values or (const is not None and const.dtype == np.int64 and name not in self.values)
+
+    def shape_value(self, name: str) -> Any:
+        """A shape value: an fx node, or a constant int64 array as a tuple of ints."""
+        if name in self.shape_values:
+            return self.values[name]
+        return tuple(int(d) for d in np.asarray(self.constant(name)).reshape(-1))
 
     def value(self, name: str) -> fx.Node:
         """The fx node of an ONNX value; a constant becomes a buffer read once."""
@@ -204,10 +228,52 @@ def _linear(b: _Builder, n: Node) -> fx.Node:
 
 
 def _reshape(b: _Builder, n: Node) -> fx.Node:
+    if int(n.attrs.get("allowzero", 0)):
+        raise ModelError(f"{b.where(n)}: allowzero 1 does not convert")
+    if n.inputs[1] in b.shape_values:  # computed from the input's shape: its entries are the sizes themselves
+        return b.graph.call_method("reshape", (b.value(n.inputs[0]), b.values[n.inputs[1]]))
     shape = b.constant(n.inputs[1])
-    if shape is None or int(n.attrs.get("allowzero", 0)):
-        raise ModelError(f"{b.where(n)}: the shape must be a constant (and allowzero 0)")
+    if shape is None:
+        raise ModelError(f"{b.where(n)}: the shape must be a constant or computed from a Shape node")
     return b.function(onnx_reshape, b.value(n.inputs[0]), tuple(int(d) for d in np.asarray(shape).reshape(-1)))
+
+
+def _shape_op(b: _Builder, n: Node) -> Any:
+    """Shape, and Gather / Unsqueeze / Concat / Cast on shape values: kept as
+    Python ints and tuples in the graph (traced sizes where they depend on the
+    input), so Reshape gets the batch size of each call."""
+    if n.op == "Shape":
+        size = b.graph.call_method("size", (b.value(n.inputs[0]),))
+        start, end = n.attrs.get("start"), n.attrs.get("end")
+        out = size if start is None and end is None else b.function(
+            operator.getitem, size, slice(None if start is None else int(start), None if end is None else int(end)))
+    elif n.op == "Gather":
+        idx = b.constant(n.inputs[1])
+        if idx is None or int(n.attrs.get("axis", 0)) != 0:
+            raise ModelError(f"{b.where(n)}: only constant indices on axis 0 of a shape convert")
+        shape = b.shape_value(n.inputs[0])
+        out = b.function(operator.getitem, shape, int(idx)) if idx.ndim == 0 else \
+            b.function(gather_ints, shape, tuple(int(i) for i in idx.reshape(-1)))
+    elif n.op == "Unsqueeze":  # a scalar size -> a 1-entry shape
+        out = b.function(one_tuple, b.shape_value(n.inputs[0]))
+    elif n.op == "Concat":
+        parts = [b.shape_value(i) for i in n.inputs]
+        out = parts[0]
+        for part in parts[1:]:
+            out = b.function(operator.add, out, part)
+    else:  # Cast: sizes are ints already
+        out = b.shape_value(n.inputs[0])
+    b.shape_values.add(n.outputs[0])
+    return out
+
+
+def _on_shapes(n: Node, b: _Builder) -> bool:
+    """Whether node n computes on shape values (see _shape_op)."""
+    if n.op == "Shape":
+        return True
+    if n.op in ("Gather", "Unsqueeze", "Cast"):
+        return n.inputs[0] in b.shape_values
+    return n.op == "Concat" and any(i in b.shape_values for i in n.inputs) and all(b.is_shape(i) for i in n.inputs)
 
 
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
@@ -264,10 +330,11 @@ def onnx_to_torch(path: Path, input_size: Optional[Tuple[int, int]] = None) -> T
     program = load_program(Path(path), input_size)
     builder = _Builder(program)
     for n in program.nodes:
-        convert = CONVERTERS.get(n.op)
+        convert = _shape_op if _on_shapes(n, builder) else CONVERTERS.get(n.op)
         if convert is None:
             raise ModelError(f"{program.path}: node {n.name} has operator {n.op}, which the ONNX -> torch conversion "
-                             f"does not cover (it covers {', '.join(sorted(CONVERTERS))}); `sparseconv run "
+                             f"does not cover (it covers {', '.join(sorted(CONVERTERS))}, and Shape, Gather, "
+                             f"Unsqueeze and Cast on shapes); `sparseconv run "
                              f"{program.path}` runs the model on the ONNX runner instead")
         if len(n.outputs) > 1 and any(n.outputs[1:]) and n.op != "Dropout":
             raise ModelError(f"{builder.where(n)}: only its first output converts")

@@ -191,3 +191,38 @@ def test_a_file_that_fixes_its_batch_size_is_benched_at_that_size_only(tmp_path)
     with pytest.raises(NetworkBenchError, match=r"b1.onnx: the file fixes the batch size to 1, asked for 1, 64; "
                                                 r"export it with a dynamic batch axis"):
         check_onnx_batches(path, module, (1, 64))
+
+
+def test_a_head_that_reshapes_by_the_input_batch_converts(tmp_path):
+    """x.view(x.size(0), -1) exports as Shape -> Gather -> Unsqueeze -> Concat
+    -> Reshape: kept as sizes traced from each call's input, so any batch
+    runs, and sparsify's front end still traces the graph."""
+    import warnings
+
+    from torch import nn
+
+    class ViewHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 4 * 4, 10)
+
+        def forward(self, x):
+            x = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+            return self.fc(x.view(x.size(0), -1))
+
+    path = tmp_path / "view.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(ViewHead().eval(), torch.randn(1, 3, 8, 8), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    assert "Shape" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    module, shape = onnx_to_torch(path)
+    for batch in (1, 5):
+        x = np.random.default_rng(batch).standard_normal((batch,) + shape).astype(F32)
+        with torch.no_grad():
+            got = module(torch.from_numpy(x)).numpy()
+        assert got.shape == (batch, 10) and relative_l2(got, _onnxruntime(path, x)) <= 1e-5
+    front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+    assert front.traced and [p.fused for p in front.plans if p.kind == "conv"] == [("relu",)]
+    with torch.no_grad():
+        assert tuple(front.module(torch.randn(3, *shape)).shape) == (3, 10)
