@@ -83,9 +83,15 @@ class _Builder:
     def where(self, n: Node) -> str:
         return f"{self.program.path}: node {n.name} ({n.op})"
 
-    def attribute_name(self, name: str) -> str:
-        """A unique Python identifier for a submodule or buffer named after `name`."""
-        base = re.sub(r"\W", "_", name).strip("_") or "v"
+    def attribute_name(self, name: str, op: str = "") -> str:
+        """A unique Python identifier for a submodule or buffer named after
+        `name`. Exporters' scope paths read as torch's module names:
+        "/layer1/layer1.0/conv1/Conv" -> "layer1_0_conv1"."""
+        parts = [p for p in name.split("/") if p]
+        if op and parts and re.fullmatch(re.escape(op) + r"(_\d+)?", parts[-1]):
+            parts = parts[:-1]    # the operator's own name adds nothing
+        parts = [p for i, p in enumerate(parts) if not (i + 1 < len(parts) and parts[i + 1].startswith(p + "."))]
+        base = re.sub(r"\W", "_", "_".join(parts)).strip("_") or op.lower() or "v"
         base = base if not base[0].isdigit() else f"v_{base}"
         count = self.names.get(base, 0)
         self.names[base] = count + 1
@@ -117,7 +123,7 @@ class _Builder:
         return self.values[name]
 
     def module(self, n: Node, module: nn.Module, *inputs: fx.Node) -> fx.Node:
-        attr = self.attribute_name(n.name)
+        attr = self.attribute_name(n.name, n.op)
         self.root.add_module(attr, module)
         return self.graph.call_module(attr, tuple(inputs))
 

@@ -226,3 +226,78 @@ def test_a_head_that_reshapes_by_the_input_batch_converts(tmp_path):
     assert front.traced and [p.fused for p in front.plans if p.kind == "conv"] == [("relu",)]
     with torch.no_grad():
         assert tuple(front.module(torch.randn(3, *shape)).shape) == (3, 10)
+
+
+def _mobile_block():
+    from torch import nn
+
+    class MobileBlock(nn.Module):
+        """MobileNetV2/V3 pieces: ReLU6, depthwise conv, a linear bottleneck with
+        a residual add, squeeze-excite (pool, 1x1 convs, sigmoid, Mul), Hardswish."""
+
+        def __init__(self):
+            super().__init__()
+            self.expand = nn.Sequential(nn.Conv2d(8, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6())
+            self.depthwise = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, groups=32, bias=False),
+                                           nn.BatchNorm2d(32), nn.ReLU6())
+            self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(32, 8, 1), nn.ReLU(), nn.Conv2d(8, 32, 1),
+                                    nn.Sigmoid())
+            self.project = nn.Sequential(nn.Conv2d(32, 8, 1, bias=False), nn.BatchNorm2d(8))
+            self.head = nn.Sequential(nn.Conv2d(8, 16, 1), nn.Hardswish(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                      nn.Linear(16, 10))
+
+        def forward(self, x):
+            y = self.depthwise(self.expand(x))
+            return self.head(x + self.project(y * self.se(y)))
+
+    return MobileBlock(), (8, 12, 12)
+
+
+def _inception_block():
+    from torch import nn
+
+    class InceptionBlock(nn.Module):
+        """GoogLeNet pieces: ceil_mode pools, branches concatenated on channels,
+        an average pool that leaves the padding out of its count."""
+
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True))
+            self.b1 = nn.Conv2d(16, 8, 1)
+            self.b2 = nn.Sequential(nn.Conv2d(16, 8, 1), nn.ReLU(), nn.Conv2d(8, 12, 3, padding=1))
+            self.b3 = nn.Sequential(nn.AvgPool2d(3, 1, 1, count_include_pad=False), nn.Conv2d(16, 4, 1))
+            self.tail = nn.Sequential(nn.AvgPool2d(2, ceil_mode=True), nn.Flatten(), nn.LazyLinear(10))
+
+        def forward(self, x):
+            x = self.stem(x)
+            return self.tail(torch.relu(torch.cat([self.b1(x), self.b2(x), self.b3(x)], 1)))
+
+    return InceptionBlock(), (3, 15, 15)
+
+
+@pytest.mark.parametrize("make", [_mobile_block, _inception_block], ids=["mobilenet-block", "inception-block"])
+def test_exported_blocks_of_common_architectures_convert_and_match_onnxruntime(tmp_path, make):
+    import warnings
+
+    from sparseconv.zoo_torch import prune_convs_
+
+    torch.manual_seed(0)
+    net, shape = make()
+    with torch.no_grad():
+        net(torch.randn(1, *shape))   # LazyLinear's size
+    net = prune_convs_(net, 0.5).eval()
+    path = tmp_path / "block.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, torch.randn(1, *shape), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    module, got_shape = onnx_to_torch(path)
+    assert got_shape == shape
+    x = np.random.default_rng().standard_normal((2,) + shape).astype(F32)
+    with torch.no_grad():
+        got = module(torch.from_numpy(x)).numpy()
+    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
+    front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+    assert front.traced and sum(p.action == "sparseconv" for p in front.plans if p.kind == "conv") >= 4
+    with torch.no_grad():
+        assert relative_l2(front.module(torch.from_numpy(x)).numpy(), got) <= 1e-5
