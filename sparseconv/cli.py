@@ -233,6 +233,23 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
             gemv = gemvs.get(name)
             how = "dense" if gemv is None else f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()})"
             click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: {how}, {why}")
+    if m.format == "onnx":
+        click.echo(f"sparseconv bench --network: {_bench_network_view(model, input_size)}")
+
+
+def _bench_network_view(model: Path, input_size: Optional[str]) -> str:
+    """Whether `bench --network` can time this ONNX file (onnx_torch converts it), in a line."""
+    try:
+        from .onnx_torch import onnx_to_torch  # torch: imported only here, inspect runs without it
+    except ImportError:
+        return "needs torch (pip install torch) to convert the graph"
+    try:
+        module, shape = onnx_to_torch(model, parse_size(input_size, "--input-size") if input_size else None)
+    except ModelError as exc:
+        return f"cannot convert it ({str(exc).split(': ', 1)[-1]})"
+    convs = sum(type(m).__name__ == "Conv2d" for m in module.modules())
+    return (f"converts to a torch.fx graph of {convs} conv{'s' if convs != 1 else ''}, "
+            f"input (N, {', '.join(map(str, shape))})")
 
 
 @main.command()

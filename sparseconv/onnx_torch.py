@@ -245,7 +245,7 @@ def _reshape(b: _Builder, n: Node) -> fx.Node:
 
 
 def _shape_op(b: _Builder, n: Node) -> Any:
-    """Shape, and Gather / Unsqueeze / Concat / Cast on shape values: kept as
+    """Shape, and Gather / Unsqueeze / Slice / Concat / Cast on shape values: kept as
     Python ints and tuples in the graph (traced sizes where they depend on the
     input), so Reshape gets the batch size of each call."""
     if n.op == "Shape":
@@ -262,6 +262,15 @@ def _shape_op(b: _Builder, n: Node) -> Any:
             b.function(gather_ints, shape, tuple(int(i) for i in idx.reshape(-1)))
     elif n.op == "Unsqueeze":  # a scalar size -> a 1-entry shape
         out = b.function(one_tuple, b.shape_value(n.inputs[0]))
+    elif n.op == "Slice":
+        bounds = [b.constant(i) if len(n.inputs) > k and i else None for k, i in enumerate(n.inputs[:5]) if k]
+        starts, ends, axes, steps = (None if v is None else [int(e) for e in np.asarray(v).reshape(-1)]
+                                     for v in bounds + [None] * (4 - len(bounds)))
+        if starts is None or ends is None or len(starts) != 1 or (axes or [0]) != [0]:
+            raise ModelError(f"{b.where(n)}: only a constant slice of a shape converts")
+        big = 1 << 62    # ONNX's "to the end" is a huge int
+        out = b.function(operator.getitem, b.shape_value(n.inputs[0]),
+                         slice(starts[0], None if ends[0] >= big else ends[0], (steps or [1])[0]))
     elif n.op == "Concat":
         parts = [b.shape_value(i) for i in n.inputs]
         out = parts[0]
@@ -277,9 +286,74 @@ def _on_shapes(n: Node, b: _Builder) -> bool:
     """Whether node n computes on shape values (see _shape_op)."""
     if n.op == "Shape":
         return True
-    if n.op in ("Gather", "Unsqueeze", "Cast"):
+    if n.op in ("Gather", "Unsqueeze", "Cast", "Slice"):
         return n.inputs[0] in b.shape_values
     return n.op == "Concat" and any(i in b.shape_values for i in n.inputs) and all(b.is_shape(i) for i in n.inputs)
+
+
+def _conv_transpose(b: _Builder, n: Node) -> fx.Node:
+    w = b.constant(n.inputs[1])
+    bias = b.constant(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
+    if w is None or w.ndim != 4 or (len(n.inputs) > 2 and n.inputs[2] and bias is None):
+        raise ModelError(f"{b.where(n)}: the weight (and bias) must be constants of a 2-D ConvTranspose")
+    if n.attrs.get("output_shape") is not None or n.attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        raise ModelError(f"{b.where(n)}: output_shape and auto_pad do not convert; export with explicit pads")
+    groups = int(n.attrs.get("group", 1))
+    conv = nn.ConvTranspose2d(w.shape[0], w.shape[1] * groups, tuple(w.shape[2:]),
+                              tuple(int(v) for v in n.attrs.get("strides", (1, 1))), _pads(b, n),
+                              tuple(int(v) for v in n.attrs.get("output_padding", (0, 0))), groups,
+                              bias=bias is not None, dilation=tuple(int(v) for v in n.attrs.get("dilations", (1, 1))))
+    with torch.no_grad():
+        conv.weight.copy_(torch.tensor(np.array(w, np.float32)))
+        if bias is not None:
+            conv.bias.copy_(torch.tensor(np.array(bias, np.float32)))
+    return b.module(n, conv, b.value(n.inputs[0]))
+
+
+def _reduce_mean(b: _Builder, n: Node) -> fx.Node:
+    axes = n.attrs.get("axes")
+    if axes is None and len(n.inputs) > 1 and n.inputs[1]:  # an input since opset 18
+        const = b.constant(n.inputs[1])
+        if const is None:
+            raise ModelError(f"{b.where(n)}: the axes must be constants")
+        axes = [int(a) for a in np.asarray(const).reshape(-1)]
+    x = b.value(n.inputs[0])
+    keep = bool(int(n.attrs.get("keepdims", 1)))
+    if not axes:
+        return b.function(torch.mean, x) if not keep else b.graph.call_method(
+            "mean", (x, tuple(range(b.rank(n.inputs[0]) or 0))), {"keepdim": True})
+    return b.graph.call_method("mean", (x, tuple(int(a) for a in axes)), {"keepdim": keep})
+
+
+def _text(v: Any, default: str) -> str:
+    return default if v is None else v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _resize(b: _Builder, n: Node) -> fx.Node:
+    """Resize of an NCHW tensor to sizes (constant or computed) or by constant
+    scales, in the modes F.interpolate has: nearest (asymmetric, floor) and
+    bilinear (half_pixel, pytorch_half_pixel or align_corners)."""
+    mode = _text(n.attrs.get("mode"), "nearest")
+    coords = _text(n.attrs.get("coordinate_transformation_mode"), "half_pixel")
+    kwargs: Dict[str, Any] = {}
+    if mode == "nearest" and coords == "asymmetric" and _text(n.attrs.get("nearest_mode"), "round_prefer_floor") \
+            == "floor":
+        kwargs["mode"] = "nearest"
+    elif mode == "linear" and coords in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+        kwargs.update(mode="bilinear", align_corners=coords == "align_corners")
+    else:
+        raise ModelError(f"{b.where(n)}: mode {mode} with coordinate_transformation_mode {coords} does not "
+                         "convert (nearest asymmetric floor, or linear half_pixel / align_corners do)")
+    scales = b.constant(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
+    sizes = n.inputs[3] if len(n.inputs) > 3 and n.inputs[3] else None
+    if sizes is not None and b.is_shape(sizes):
+        kwargs["size"] = b.function(operator.getitem, b.shape_value(sizes), slice(2, None))
+    elif scales is not None and scales.size == 4 and tuple(scales[:2]) == (1.0, 1.0):
+        kwargs["scale_factor"] = tuple(float(v) for v in scales[2:])
+    else:
+        raise ModelError(f"{b.where(n)}: the sizes or the scales (1, 1, h, w) must be constants or computed "
+                         "from shapes")
+    return b.function(torch.nn.functional.interpolate, b.value(n.inputs[0]), **kwargs)
 
 
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
@@ -300,6 +374,9 @@ def _hard_sigmoid(n: Node) -> nn.Module:
 # ONNX operator -> how it enters the graph.
 CONVERTERS: Dict[str, Callable[[_Builder, Node], fx.Node]] = {
     "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    "ReduceMean": _reduce_mean,
+    "Resize": _resize,
     "BatchNormalization": _batchnorm,
     "Relu": _modular(lambda n: nn.ReLU()),
     "LeakyRelu": _modular(lambda n: nn.LeakyReLU(float(n.attrs.get("alpha", 0.01)))),

@@ -241,3 +241,26 @@ def test_other_opsets_and_unfolded_exports_match_onnxruntime(tmp_path, opset, fa
     x = inputs(2)
     (y,) = run_reference(load_program(path, SIZE), x)
     assert relative_l2(y, onnxruntime_outputs(path, x)) <= 1e-5
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_network_bench_conversion_matches_onnxruntime(exported, family, form):
+    """onnx_torch (what `bench --network model.onnx` times) on each exported
+    family: ReduceMean, ConvTranspose, Resize to computed sizes and by scales,
+    shapes sliced and concatenated; the same outputs as onnxruntime, also
+    after sparsify's front end has folded and fused the graph."""
+    import torch
+
+    from sparseconv.fx import LinearOptions, prepare
+    from sparseconv.onnx_torch import onnx_to_torch
+
+    module, shape = onnx_to_torch(exported[family, form])
+    assert shape == (3,) + tuple(SIZE)
+    x = inputs()
+    want = onnxruntime_outputs(exported[family, form], x)
+    with torch.no_grad():
+        assert relative_l2(module(torch.from_numpy(x)).numpy(), want) <= 1e-5
+        front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+        assert front.traced, front.trace_error
+        assert relative_l2(front.module(torch.from_numpy(x)).numpy(), want) <= 1e-5
