@@ -140,3 +140,101 @@ def test_onnx_reshape_and_flatten_follow_the_onnx_rules(dims, data):
     shape = [0] * keep + ([-1] if keep < len(dims) else [])
     assert np.array_equal(onnx_reshape(x, shape).numpy(), x.numpy().reshape(dims[:keep] + ([-1] if keep < len(dims)
                                                                                            else [])))
+
+
+@st.composite
+def onnx_chains(draw):
+    """A random small CNN as ONNX nodes: a first conv, then convs (1x1 or
+    3x3, strided, grouped), BN, activations, pools (ceil_mode too), a
+    residual Add, a constant Mul, then GlobalAveragePool -> Flatten -> Gemm.
+    Returns (nodes, inits, input shape (C, H, W))."""
+    from onnx import helper
+
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    c, h, w = draw(st.integers(1, 6)), draw(st.integers(4, 12)), draw(st.integers(4, 12))
+    in_shape = (c, h, w)
+    nodes, inits, cur, count = [], {}, "x", 0
+
+    def name(prefix):
+        nonlocal count
+        count += 1
+        return f"{prefix}{count}"
+
+    kinds = ["conv"] + draw(st.lists(st.sampled_from(["conv", "bn", "act", "pool", "residual", "mul"]), max_size=5))
+    for kind in kinds:
+        out = name("v")
+        if kind in ("conv", "residual"):
+            k = draw(st.sampled_from([1, 3]))
+            groups = draw(st.sampled_from([1, c])) if kind == "conv" else 1
+            cout = c if kind == "residual" else groups * draw(st.integers(1, 3))
+            stride = 1 if kind == "residual" else draw(st.integers(1, 2))
+            wname = name("w")
+            inits[wname] = pruned_weight(rng, (cout, c // groups, k, k), 0.6)
+            conv_out = name("c") if kind == "residual" else out
+            nodes.append(helper.make_node("Conv", [cur, wname], [conv_out], name=name("conv"), group=groups,
+                                          pads=[k // 2] * 4, strides=[stride, stride]))
+            if kind == "residual":
+                nodes.append(helper.make_node("Add", [conv_out, cur], [out]))
+            c, h, w = cout, (h - 1) // stride + 1, (w - 1) // stride + 1
+        elif kind == "bn":
+            names = [name(p) for p in ("s", "b", "m", "v")]
+            for n_, lo, hi in zip(names, (0.5, -0.2, -0.1, 0.5), (1.5, 0.2, 0.1, 2.0)):
+                inits[n_] = rng.uniform(lo, hi, c).astype(np.float32)
+            nodes.append(helper.make_node("BatchNormalization", [cur] + names, [out], name=name("bn")))
+        elif kind == "act":
+            op = draw(st.sampled_from(["Relu", "LeakyRelu", "Sigmoid", "HardSwish", "Clip"]))
+            if op == "Clip":
+                lo, hi = name("lo"), name("hi")
+                inits[lo], inits[hi] = np.array(-0.5, np.float32), np.array(0.75, np.float32)
+                nodes.append(helper.make_node("Clip", [cur, lo, hi], [out]))
+            else:
+                nodes.append(helper.make_node(op, [cur], [out]))
+        elif kind == "pool":
+            k, ceil = draw(st.integers(2, 3)), draw(st.booleans())
+            s_, p = draw(st.integers(1, 2)), draw(st.integers(0, 1))
+            if min(h, w) + 2 * p < k:
+                continue
+            op = draw(st.sampled_from(["MaxPool", "AveragePool"]))
+            extra = {"count_include_pad": draw(st.integers(0, 1))} if op == "AveragePool" else {}
+            nodes.append(helper.make_node(op, [cur], [out], kernel_shape=[k, k], strides=[s_, s_], pads=[p] * 4,
+                                          ceil_mode=int(ceil), **extra))
+            size = [(n + 2 * p - k + (s_ - 1 if ceil else 0)) // s_ + 1 for n in (h, w)]
+            if ceil:   # a last window that would start in the right padding is dropped
+                size = [z - 1 if (z - 1) * s_ >= n + p else z for z, n in zip(size, (h, w))]
+            h, w = size
+        else:
+            k = name("k")
+            inits[k] = rng.uniform(0.5, 1.5, (1, c, 1, 1)).astype(np.float32)
+            nodes.append(helper.make_node("Mul", [cur, k], [out]))
+        cur = out
+    inits["wf"] = rng.standard_normal((5, c)).astype(np.float32)
+    inits["bf"] = rng.standard_normal(5).astype(np.float32)
+    nodes += [helper.make_node("GlobalAveragePool", [cur], ["g"]), helper.make_node("Flatten", ["g"], ["f"]),
+              helper.make_node("Gemm", ["f", "wf", "bf"], ["out"], name="fc", transB=1)]
+    return nodes, inits, in_shape
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(chain=onnx_chains(), batch=st.integers(1, 3))
+def test_onnx_torch_matches_onnxruntime_on_random_cnns(tmp_path_factory, chain, batch):
+    """Random small CNNs converted by onnx_torch (what `bench --network
+    model.onnx` times) give onnxruntime's outputs, and so does the graph
+    sparsify's front end makes of them (BN folded, epilogues fused)."""
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx_models import save_model
+
+    from sparseconv.fx import LinearOptions, prepare
+    from sparseconv.onnx_torch import onnx_to_torch
+
+    nodes, inits, shape = chain
+    path = save_model(tmp_path_factory.mktemp("chain") / "chain.onnx", nodes, inits, ["N", *shape])
+    x = np.random.default_rng(batch).standard_normal((batch, *shape)).astype(np.float32)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    module, got_shape = onnx_to_torch(path)
+    assert got_shape == shape
+    with torch.no_grad():
+        assert relative_l2(module(torch.from_numpy(x)).numpy(), want) <= 1e-5
+        front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
+        assert front.traced, front.trace_error
+        assert relative_l2(front.module(torch.from_numpy(x)).numpy(), want) <= 1e-5
