@@ -416,9 +416,8 @@ def onnx_to_torch(path: Path, input_size: Optional[Tuple[int, int]] = None) -> T
         convert = _shape_op if _on_shapes(n, builder) else CONVERTERS.get(n.op)
         if convert is None:
             raise ModelError(f"{program.path}: node {n.name} has operator {n.op}, which the ONNX -> torch conversion "
-                             f"does not cover (it covers {', '.join(sorted(CONVERTERS))}, and Shape, Gather, "
-                             f"Unsqueeze and Cast on shapes); `sparseconv run "
-                             f"{program.path}` runs the model on the ONNX runner instead")
+                             "does not cover (onnx_torch.CONVERTERS lists what it does); `sparseconv run` runs the "
+                             "model on the ONNX runner instead")
         if len(n.outputs) > 1 and any(n.outputs[1:]) and n.op != "Dropout":
             raise ModelError(f"{builder.where(n)}: only its first output converts")
         builder.values[n.outputs[0]] = convert(builder, n)

@@ -798,6 +798,7 @@ def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--batch", "9"], "--batch must be 1..8 (the kernel's images a launch), got 9"),
     (["--batch", "0"], "--batch must be 1..8 (the kernel's images a launch), got 0"),
+    (["--sparsity", "1.0"], "--sparsity must be in [0, 1), got 1.0"),
     (["--out", "/no/such/folder/g.json"], "--out /no/such/folder/g.json: folder /no/such/folder does not exist"),
 ])
 def test_gemv_probe_refuses_bad_arguments_before_any_work(args, needle, tmp_path):
@@ -1071,3 +1072,42 @@ def test_graph_wrapper_probe_without_a_gpu_says_so_and_writes_nothing(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith("no CUDA device: the probe times CUDA graph replays")
     assert not out.exists()
+
+
+def _conv_then(tmp_path: Path, name: str, op: str, batch=1) -> Path:
+    """A one-conv ONNX file followed by `op` (None: nothing), input (batch, 3, 5, 5)."""
+    pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx_models import save_model
+
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c" if op else "out"], name="conv")]
+    inits = {"w": pruned_weight(np.random.default_rng(0), (4, 3, 1, 1), 0.5)}
+    if op:
+        nodes.append(helper.make_node(op, ["c", "g"], ["out"], name="node2", axis=-1))
+        inits["g"] = np.ones(5, np.float32)
+    return save_model(tmp_path / name, nodes, inits, [batch, 3, 5, 5])
+
+
+@pytest.mark.parametrize("case, args, needle", [
+    ("missing", ["--network", "{tmp}/missing.onnx"], "missing.onnx: no such ONNX file"),
+    ("garbage", ["--network", "{tmp}/garbage.onnx"], "garbage.onnx"),
+    ("operator", ["--network", "{tmp}/ln.onnx"], "node node2 has operator LayerNormalization"),
+    ("fixed batch", ["--network", "{tmp}/b1.onnx", "--batch", "1", "--batch", "64"],
+     "b1.onnx: the file fixes the batch size to 1, asked for 1, 64"),
+    ("prune an onnx", ["--network", str(LENET), "--prune-linears"], "an ONNX file is timed with its own weights"),
+    ("sparsity of an onnx", ["--network", str(LENET), "--sparsity", "0.5"], "--sparsity prunes a built-in network"),
+    ("prune without network", ["--prune-linears"], "use it with --network"),
+])
+def test_bench_network_refuses_an_onnx_file_it_cannot_time_before_any_work(tmp_path, case, args, needle):
+    """`sparseconv bench --network model.onnx`: the file is converted before
+    anything is timed, so what cannot be timed is exit 2 and one line, on a
+    machine without a GPU too, and no --json or --plot file is written."""
+    pytest.importorskip("torch")
+    (tmp_path / "garbage.onnx").write_bytes(b"not a model")
+    _conv_then(tmp_path, "ln.onnx", "LayerNormalization")
+    _conv_then(tmp_path, "b1.onnx", None)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    r = CliRunner().invoke(main, ["bench", *argv, "--json", str(tmp_path / "r.json"), "--plot",
+                                  str(tmp_path / "r.png")])
+    refused(r, needle)
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.png").exists()

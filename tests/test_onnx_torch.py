@@ -95,7 +95,7 @@ def test_an_operator_it_does_not_cover_is_refused_naming_the_node_and_the_altern
     path = save_model(tmp_path / "ln.onnx", nodes, {"w": pruned_weight(rng, (4, 3, 1, 1), 0.5),
                                                      "g": np.ones(5, F32)}, [1, 3, 5, 5])
     with pytest.raises(ModelError, match=r"ln.onnx: node norm has operator LayerNormalization, which the ONNX -> "
-                                         r"torch conversion does not cover .*`sparseconv run .*ln.onnx` runs"):
+                                         r"torch conversion does not cover .*; `sparseconv run` runs the model"):
         onnx_to_torch(path)
 
 
@@ -108,14 +108,15 @@ def test_bench_network_takes_an_onnx_file_and_refuses_what_does_not_apply_to_one
     r = runner.invoke(main, ["bench", "--network", str(LENET), "--sparsity", "0.5"])
     assert r.exit_code == 2 and "--sparsity prunes a built-in network" in r.output
     # the bench's own view of an ONNX network: its file name, the converted module, its input shape
-    from sparseconv.benchmark.network import NetworkBenchError, _network
+    from sparseconv.benchmark.network import NetworkBenchError, load_network
 
-    name, module, shape = _network(str(LENET), 0.9, 0, False, None)
-    assert name == "lenet_digits_pruned.onnx" and shape == (1, 8, 8) and not module.training
-    assert _network(str(LENET), 0.9, 0, False, (16, 16))[2] == (1, 16, 16)
+    loaded = load_network(str(LENET))
+    assert loaded.name == "lenet_digits_pruned.onnx" and loaded.input_shape == (1, 8, 8)
+    assert not loaded.module.training and loaded.sparsity is None    # timed with its own weights
+    assert load_network(str(LENET), input_size=(16, 16)).input_shape == (1, 16, 16)
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     with pytest.raises(NetworkBenchError, match="bad.onnx"):
-        _network(str(tmp_path / "bad.onnx"), 0.9, 0, False, None)
+        load_network(str(tmp_path / "bad.onnx"))
 
 
 @pytest.mark.parametrize("axis", [0, 2, -1, 4])
@@ -180,17 +181,18 @@ def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_p
 
 
 def test_a_file_that_fixes_its_batch_size_is_benched_at_that_size_only(tmp_path):
-    from sparseconv.benchmark.network import NetworkBenchError, check_onnx_batches
+    from sparseconv.benchmark.network import LoadedNetwork, NetworkBenchError, check_onnx_batches
 
     nodes = [helper.make_node("Conv", ["x", "w"], ["out"], name="conv")]
     path = save_model(tmp_path / "b1.onnx", nodes, {"w": pruned_weight(np.random.default_rng(0), (4, 3, 1, 1), 0.5)},
                       [1, 3, 5, 5])
-    module, _ = onnx_to_torch(path)
+    module, shape = onnx_to_torch(path)
     assert module.onnx_batch == 1 and onnx_to_torch(LENET)[0].onnx_batch is None
-    check_onnx_batches(path, module, (1,))
+    loaded = LoadedNetwork(path.name, module, shape)
+    check_onnx_batches(loaded, (1,))
     with pytest.raises(NetworkBenchError, match=r"b1.onnx: the file fixes the batch size to 1, asked for 1, 64; "
                                                 r"export it with a dynamic batch axis"):
-        check_onnx_batches(path, module, (1, 64))
+        check_onnx_batches(loaded, (1, 64))
 
 
 def test_a_head_that_reshapes_by_the_input_batch_converts(tmp_path):

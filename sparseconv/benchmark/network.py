@@ -135,18 +135,33 @@ def check_network_name(network: Union[str, Path]) -> None:
 PRUNED_LINEARS = " (Linears pruned too)"
 
 
-def _network(network: Union[str, Path, Any], sparsity: float, seed: int, prune_linears: bool,
-             input_size: Optional[Tuple[int, int]]) -> Tuple[str, Any, Tuple[int, ...]]:
-    """(name, the module in eval mode, its input shape (C, H, W)). Built-in
-    networks and modules take 3 x input_size (224 x 224 by default); an ONNX
-    file its own input shape, with H x W replaced by input_size if given."""
+@dataclass(frozen=True)
+class LoadedNetwork:
+    """A network ready to time: its name in tables, the module in eval mode,
+    its input shape without the batch (C, H, W), and the sparsity it was
+    pruned to here (None: timed as given)."""
+
+    name: str
+    module: Any
+    input_shape: Tuple[int, ...]
+    sparsity: Optional[float] = None
+
+
+def load_network(network: Union[str, Path, Any], *, sparsity: float = 0.9, seed: int = 0,
+                 prune_linears: bool = False, input_size: Optional[Tuple[int, int]] = None) -> LoadedNetwork:
+    """Build a built-in network, convert an ONNX file (onnx_torch) or take an
+    nn.Module. Built-in networks and modules take 3 x input_size (224 x 224
+    by default); an ONNX file its own input shape, H x W replaced by
+    input_size if given. Raises NetworkBenchError for what cannot be timed."""
     from torch import nn
 
     from ..zoo_torch import build_network  # torch: imported when a network is built
 
     size = tuple(input_size or (224, 224))
+    if prune_linears and not (isinstance(network, str) and network in NAMES):
+        raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
     if isinstance(network, nn.Module):
-        return type(network).__name__, network.eval(), (3,) + size
+        return LoadedNetwork(type(network).__name__, network.eval(), (3,) + size)
     check_network_name(network)
     if is_onnx(network):
         from ..model import ModelError
@@ -156,17 +171,18 @@ def _network(network: Union[str, Path, Any], sparsity: float, seed: int, prune_l
             module, shape = onnx_to_torch(Path(network), input_size)
         except ModelError as exc:
             raise NetworkBenchError(str(exc)) from None
-        return Path(network).name, module, shape
-    return (NAMES[network] + (PRUNED_LINEARS if prune_linears else ""),
-            build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears), (3,) + size)
+        return LoadedNetwork(Path(network).name, module, shape)
+    return LoadedNetwork(NAMES[network] + (PRUNED_LINEARS if prune_linears else ""),
+                         build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears),
+                         (3,) + size, sparsity)
 
 
-def check_onnx_batches(network: Union[str, Path], module: Any, batches: Sequence[int]) -> None:
+def check_onnx_batches(network: LoadedNetwork, batches: Sequence[int]) -> None:
     """An ONNX file that fixes its batch size runs at that size only: its
     exporter may have folded it into constants (a Reshape to (1, -1))."""
-    fixed = getattr(module, "onnx_batch", None)
+    fixed = getattr(network.module, "onnx_batch", None)
     if fixed is not None and any(b != fixed for b in batches):
-        raise NetworkBenchError(f"{network}: the file fixes the batch size to {fixed}, asked for "
+        raise NetworkBenchError(f"{network.name}: the file fixes the batch size to {fixed}, asked for "
                                 f"{', '.join(map(str, batches))}; export it with a dynamic batch axis "
                                 f"(torch.onnx.export(..., dynamic_axes={{'x': {{0: 'N'}}}})) or pass --batch {fixed}")
 
@@ -186,15 +202,16 @@ def plan_layers(plans: Sequence[Any]) -> List[Dict[str, str]]:
             for p in plans]
 
 
-def run_network_bench(network: Union[str, Path, Any] = "resnet50", batches: Sequence[int] = (1, 64), *,
+def run_network_bench(network: Union[str, Path, Any, LoadedNetwork] = "resnet50", batches: Sequence[int] = (1, 64),
+                      *,
                       sparsity: float = 0.9, input_size: Optional[Tuple[int, int]] = None, seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
                       progress: bool = True, command: str = "", prune_linears: bool = False) -> NetworkReport:
     """Time `network` ("resnet50", "vgg16" with every conv pruned to
     `sparsity`, and every nn.Linear too with prune_linears; an ONNX file,
-    converted by onnx_torch, or an nn.Module, each timed as given) per forward
-    at each batch size (input_size: H x W, default 224 x 224 or the ONNX
-    file's),
+    converted by onnx_torch, or an nn.Module, each timed as given; or one
+    load_network loaded) per forward at each batch size (input_size: H x W,
+    default 224 x 224 or the ONNX file's),
     for each variant, on the current CUDA device. A variant that fails (e.g.
     torch.compile without a working inductor) is reported with its error, not
     raised; sparseconv's own failures are raised."""
@@ -209,6 +226,8 @@ def run_network_bench(network: Union[str, Path, Any] = "resnet50", batches: Sequ
         check_network_name(network)
     if prune_linears and not (isinstance(network, str) and network in NAMES):
         raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
+    if isinstance(network, LoadedNetwork):
+        check_onnx_batches(network, batches)
     if not torch.cuda.is_available():
         raise NetworkBenchError("no CUDA device: the network bench times on the GPU")
     import torch._inductor.config as inductor_config
@@ -221,7 +240,7 @@ def run_network_bench(network: Union[str, Path, Any] = "resnet50", batches: Sequ
         inductor_config.freezing = freezing
 
 
-def _run(network: Union[str, Path, Any], batches: Sequence[int], sparsity: float,
+def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], sparsity: float,
          input_size: Optional[Tuple[int, int]], seed: int,
          variants: Sequence[str], repeat: int, cache_dir: Optional[str], progress: bool,
          command: str, prune_linears: bool) -> NetworkReport:
@@ -229,13 +248,14 @@ def _run(network: Union[str, Path, Any], batches: Sequence[int], sparsity: float
 
     from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
 
-    name, net, in_shape = _network(network, sparsity, seed, prune_linears, input_size)
-    check_onnx_batches(network, net, batches)
-    built_in = isinstance(network, str) and network in NAMES
+    loaded = network if isinstance(network, LoadedNetwork) else load_network(
+        network, sparsity=sparsity, seed=seed, prune_linears=prune_linears, input_size=input_size)
+    check_onnx_batches(loaded, batches)
+    name, in_shape = loaded.name, loaded.input_shape
     device = torch.device("cuda", torch.cuda.current_device())
-    net = net.to(device).eval()
+    net = loaded.module.to(device).eval()
     report = NetworkReport(name, torch.cuda.get_device_name(device), time.strftime("%Y-%m-%d"), command,
-                           sparsity if built_in else None, tuple(in_shape[1:]))
+                           loaded.sparsity, tuple(in_shape[1:]))
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     inputs = {b: torch.randn(b, *in_shape, generator=gen).to(device) for b in batches}
     with torch.no_grad():
@@ -433,9 +453,16 @@ def network_command(network: str, batch_text: str, sparsity: float, prune_linear
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    target: Union[str, LoadedNetwork] = network
+    if is_onnx(network):  # converted now: a file that cannot be timed is refused before any work
+        try:
+            target = load_network(network, input_size=size)
+            check_onnx_batches(target, batches)
+        except NetworkBenchError as exc:
+            raise click.BadParameter(str(exc), param_hint="--network") from None
     command = invoked_command()
     try:
-        report = run_network_bench(network, batches, sparsity=sparsity, input_size=size, variants=variants,
+        report = run_network_bench(target, batches, sparsity=sparsity, input_size=size, variants=variants,
                                    repeat=repeat, cache_dir=None if cache_dir is None else str(cache_dir),
                                    command=command, prune_linears=prune_linears)
     except NetworkBenchError as exc:
