@@ -29,6 +29,17 @@ def _onnxruntime(path, x):
     return session.run(None, {session.get_inputs()[0].name: x})[0]
 
 
+def _export(net, shape, path):
+    """What users bring: `net` exported by torch.onnx (opset 17, a dynamic batch axis)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+        torch.onnx.export(net, torch.randn(1, *shape), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    return path
+
+
 def _residual_net(folder, rng):
     """Conv -> BN -> Relu -> MaxPool (3, stride 2, pad 1) -> Conv -> BN -> Add
     (the pool's output) -> Relu -> Clip(0, 6) -> Mul by a constant ->
@@ -140,8 +151,6 @@ def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_p
     folds BN into the convs and writes Flatten/Gemm heads), converted back:
     the same outputs as onnxruntime, and sparsify's front end fuses the
     residual add and ReLU into the second conv."""
-    import warnings
-
     from torch import nn
 
     from sparseconv.zoo_torch import prune_convs_
@@ -164,11 +173,7 @@ def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_p
         for bn in (net.bn0, net.bn1):
             bn.running_mean.uniform_(-0.1, 0.1)
             bn.running_var.uniform_(0.5, 2.0)
-    path = tmp_path / "exported.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, torch.randn(1, 3, 16, 16), str(path), dynamo=False, opset_version=17,
-                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    path = _export(net, (3, 16, 16), tmp_path / "exported.onnx")
     module, shape = onnx_to_torch(path)
     assert shape == (3, 16, 16)
     x = np.random.default_rng().standard_normal((4,) + shape).astype(F32)
@@ -199,7 +204,6 @@ def test_a_head_that_reshapes_by_the_input_batch_converts(tmp_path):
     """x.view(x.size(0), -1) exports as Shape -> Gather -> Unsqueeze -> Concat
     -> Reshape: kept as sizes traced from each call's input, so any batch
     runs, and sparsify's front end still traces the graph."""
-    import warnings
 
     from torch import nn
 
@@ -212,11 +216,7 @@ def test_a_head_that_reshapes_by_the_input_batch_converts(tmp_path):
             x = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
             return self.fc(x.view(x.size(0), -1))
 
-    path = tmp_path / "view.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(ViewHead().eval(), torch.randn(1, 3, 8, 8), str(path), dynamo=False, opset_version=17,
-                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    path = _export(ViewHead().eval(), (3, 8, 8), tmp_path / "view.onnx")
     assert "Shape" in {n.op_type for n in onnx.load(str(path)).graph.node}
     module, shape = onnx_to_torch(path)
     for batch in (1, 5):
@@ -279,7 +279,6 @@ def _inception_block():
 
 @pytest.mark.parametrize("make", [_mobile_block, _inception_block], ids=["mobilenet-block", "inception-block"])
 def test_exported_blocks_of_common_architectures_convert_and_match_onnxruntime(tmp_path, make):
-    import warnings
 
     from sparseconv.zoo_torch import prune_convs_
 
@@ -288,11 +287,7 @@ def test_exported_blocks_of_common_architectures_convert_and_match_onnxruntime(t
     with torch.no_grad():
         net(torch.randn(1, *shape))   # LazyLinear's size
     net = prune_convs_(net, 0.5).eval()
-    path = tmp_path / "block.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(net, torch.randn(1, *shape), str(path), dynamo=False, opset_version=17,
-                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    path = _export(net, shape, tmp_path / "block.onnx")
     module, got_shape = onnx_to_torch(path)
     assert got_shape == shape
     x = np.random.default_rng().standard_normal((2,) + shape).astype(F32)
