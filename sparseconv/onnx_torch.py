@@ -93,6 +93,7 @@ class _Builder:
         parts = [p for i, p in enumerate(parts) if not (i + 1 < len(parts) and parts[i + 1].startswith(p + "."))]
         base = re.sub(r"\W", "_", "_".join(parts)).strip("_") or op.lower() or "v"
         base = base if not base[0].isdigit() else f"v_{base}"
+        base = base if not hasattr(nn.Module, base) else f"{base}_"   # a node named "forward" or "eval"
         count = self.names.get(base, 0)
         self.names[base] = count + 1
         return base if count == 0 else f"{base}_{count}"
@@ -263,9 +264,11 @@ def _shape_op(b: _Builder, n: Node) -> Any:
     elif n.op == "Unsqueeze":  # a scalar size -> a 1-entry shape
         out = b.function(one_tuple, b.shape_value(n.inputs[0]))
     elif n.op == "Slice":
-        bounds = [b.constant(i) if len(n.inputs) > k and i else None for k, i in enumerate(n.inputs[:5]) if k]
-        starts, ends, axes, steps = (None if v is None else [int(e) for e in np.asarray(v).reshape(-1)]
-                                     for v in bounds + [None] * (4 - len(bounds)))
+        def ints(k: int) -> Optional[list]:  # input k as constant ints; None where absent or computed
+            const = b.constant(n.inputs[k]) if len(n.inputs) > k and n.inputs[k] else None
+            return None if const is None else [int(e) for e in np.asarray(const).reshape(-1)]
+
+        starts, ends, axes, steps = (ints(k) for k in range(1, 5))
         if starts is None or ends is None or len(starts) != 1 or (axes or [0]) != [0]:
             raise ModelError(f"{b.where(n)}: only a constant slice of a shape converts")
         big = 1 << 62    # ONNX's "to the end" is a huge int
