@@ -135,6 +135,11 @@ def check_network_name(network: Union[str, Path]) -> None:
 PRUNED_LINEARS = " (Linears pruned too)"
 
 
+def check_prune_linears(network: Any, prune_linears: bool) -> None:
+    if prune_linears and not (isinstance(network, str) and network in NAMES):
+        raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
+
+
 @dataclass(frozen=True)
 class LoadedNetwork:
     """A network ready to time: its name in tables, the module in eval mode,
@@ -158,8 +163,7 @@ def load_network(network: Union[str, Path, Any], *, sparsity: float = 0.9, seed:
     from ..zoo_torch import build_network  # torch: imported when a network is built
 
     size = tuple(input_size or (224, 224))
-    if prune_linears and not (isinstance(network, str) and network in NAMES):
-        raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
+    check_prune_linears(network, prune_linears)
     if isinstance(network, nn.Module):
         return LoadedNetwork(type(network).__name__, network.eval(), (3,) + size)
     check_network_name(network)
@@ -202,17 +206,17 @@ def plan_layers(plans: Sequence[Any]) -> List[Dict[str, str]]:
             for p in plans]
 
 
-def run_network_bench(network: Union[str, Path, Any, LoadedNetwork] = "resnet50", batches: Sequence[int] = (1, 64),
-                      *,
-                      sparsity: float = 0.9, input_size: Optional[Tuple[int, int]] = None, seed: int = 0,
+def run_network_bench(network: Union[str, Path, Any, LoadedNetwork] = "resnet50",
+                      batches: Sequence[int] = (1, 64), *, sparsity: float = 0.9,
+                      input_size: Optional[Tuple[int, int]] = None, seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
                       progress: bool = True, command: str = "", prune_linears: bool = False) -> NetworkReport:
     """Time `network` ("resnet50", "vgg16" with every conv pruned to
     `sparsity`, and every nn.Linear too with prune_linears; an ONNX file,
     converted by onnx_torch, or an nn.Module, each timed as given; or one
     load_network loaded) per forward at each batch size (input_size: H x W,
-    default 224 x 224 or the ONNX file's),
-    for each variant, on the current CUDA device. A variant that fails (e.g.
+    default 224 x 224 or the ONNX file's), for each variant, on the current
+    CUDA device. A variant that fails (e.g.
     torch.compile without a working inductor) is reported with its error, not
     raised; sparseconv's own failures are raised."""
     import torch
@@ -224,10 +228,7 @@ def run_network_bench(network: Union[str, Path, Any, LoadedNetwork] = "resnet50"
         raise NetworkBenchError(f"batch sizes must be positive, got {list(batches)}")
     if isinstance(network, (str, Path)):
         check_network_name(network)
-    if prune_linears and not (isinstance(network, str) and network in NAMES):
-        raise NetworkBenchError("prune_linears prunes a built-in network; a module or an ONNX file is timed as given")
-    if isinstance(network, LoadedNetwork):
-        check_onnx_batches(network, batches)
+    check_prune_linears(network, prune_linears)
     if not torch.cuda.is_available():
         raise NetworkBenchError("no CUDA device: the network bench times on the GPU")
     import torch._inductor.config as inductor_config
