@@ -28,7 +28,7 @@ _PUBLIC = {
     "compile_conv2d": "api", "compile_linear": "api",
     "Conv2dKernel": "runtime", "DenseConv2dKernel": "runtime", "LinearKernel": "runtime",
     "TableConv2d": "table",
-    "compile_model": "runner", "SparseModel": "runner",
+    "compile_model": "onnx_compile", "SparseModel": "runner",
     "build_conv2d": "build", "CompiledLayer": "build",
     "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "shapes",
 }

@@ -32,7 +32,8 @@ from .onnx_fuse import fuse_program, fusion_lines
 from .parallel import LayerJob, build_many
 from .progress import ptxas_counter
 from .routing import RouteChoice
-from .runner import compile_model, linear_layers, load_data, load_program, predict, run_reference
+from .onnx_compile import FRONT_ENDS, compile_model
+from .runner import linear_layers, load_data, load_program, predict, run_reference
 from .shapes import Target, shape_from_weight
 
 
@@ -335,6 +336,10 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @click.option("--cuda-graph", is_flag=True, help="Capture the forward once per batch shape as a CUDA graph and "
               "replay it (fewer launch gaps; a shape that cannot be captured runs eagerly, and the output says "
               "why).")
+@click.option("--front-end", type=click.Choice(FRONT_ENDS), default="runner", show_default=True,
+              help="runner: the ONNX runner (CuPy operators); fx: the graph converted to torch.fx and put through "
+              "the passes of sparseconv.torch.sparsify (needs torch with CUDA); auto: fx where it takes the "
+              "model, else the runner.")
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
@@ -343,8 +348,8 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @json_option
 def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optional[str], input_size: Optional[str],
         batch_size: int, backend: str, autotune: bool, route: bool, route_batches: Tuple[int, ...], table: bool,
-        cuda_graph: bool, check: bool, output: Optional[Path], jobs: Optional[int], cache_dir: Optional[Path],
-        as_json: bool) -> None:
+        cuda_graph: bool, front_end: str, check: bool, output: Optional[Path], jobs: Optional[int],
+        cache_dir: Optional[Path], as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
 
     The other operators run as CuPy code (see sparseconv/runner.py for the
@@ -356,6 +361,9 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
     if cuda_graph and backend == "reference":
         raise click.UsageError("--cuda-graph replays GPU work; it does not apply to --backend reference")
+    if front_end != "runner" and backend == "reference":
+        raise click.UsageError("--front-end chooses how the GPU runs the model; --backend reference runs the "
+                               "ONNX graph as written on the CPU")
     check_output_file(output, "-o", ".npy")
     try:
         if not model.is_file():
@@ -386,7 +394,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
                                        "`--backend reference` runs the dense model on the CPU") from None
         try:
             t = time.perf_counter()
-            sparse = compile_model(model, input_size=program.input_shape[2:] if input_size else None,
+            sparse = compile_model(model, front_end=front_end,
+                                   input_size=program.input_shape[2:] if input_size else None,
                                    cache_dir=None if cache_dir is None else str(cache_dir), jobs=jobs,
                                    progress=not as_json, tiling="auto" if autotune else None,
                                    backend=backend, tune_batch=batch_size, cuda_graph=cuda_graph,
@@ -403,10 +412,13 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         t = time.perf_counter()
         y = predict(sparse, x, batch_size)
         summary["run_s"] = round(time.perf_counter() - t, 4)
+        summary["front_end"] = sparse.front_end
+        if sparse.front_end_note:
+            summary["front_end_note"] = sparse.front_end_note
         summary["conv_layers"] = len(sparse.kernels)
         summary["layers"] = {name: {"backend": k.backend, "tiling": k.stats["tiling"],
                                     "tuning": k.stats.get("tuning"), "route": _route_summary(sparse.routes.get(name)),
-                                    "fused": list(getattr(sparse.program.convs[name], "fused", ()))}
+                                    "fused": list(sparse.fused(name))}
                              for name, k in sparse.kernels.items()}
         if sparse.route_note:
             summary["routing"] = sparse.route_note
@@ -428,11 +440,14 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         click.echo(json.dumps(summary, indent=2))
         return
     click.echo(f"{model.name}: {len(x)} inputs through {backend}"
+               + (f" (front end: {summary['front_end']})" if "front_end" in summary else "")
                + (f" ({summary['conv_layers']} conv layers compiled; compile+load "
                   f"{summary['compile_s']:.2f} s, run {summary['run_s']:.3f} s)" if backend != "reference" else ""))
     if backend != "reference":
-        for line in fusion_lines(sparse.program.convs)[:1]:  # the totals; per conv in --json and SparseModel.plan
+        for line in sparse.fusion_lines()[:1]:  # the totals; per conv in --json and the model's plan
             click.echo(line)
+        if sparse.front_end_note:
+            click.echo(f"front end: {sparse.front_end_note}")
     if backend == "auto" or autotune:
         for name, info in summary["layers"].items():
             times = info["tuning"]["times_us"]

@@ -95,6 +95,7 @@ class _KernelNode(nn.Module):
         # last for any batch: which path runs a CUDA input of that batch (set by
         # sparseconv.torch.sparsify from measurements). Empty: the kernel always.
         self.route: List[Tuple[int, str]] = []
+        self.route_choice: Any = None  # routing.RouteChoice: the times behind `route`, where it was measured
         self._streams: Dict[int, Any] = {}
 
     def path(self, batch: int) -> str:

@@ -277,17 +277,23 @@ def fuse_program(program: P) -> P:
     return replace(program, nodes=tuple(out), convs=convs)
 
 
+def fusion_totals(fused: Sequence[Tuple[str, ...]]) -> str:
+    """One line from what fused into each conv (("bn", "relu"), ...): the
+    BatchNorms folded, the adds and activations fused, into how many convs.
+    The fx front end's plan (onnx_fx.py) says it the same way."""
+    count = Counter(part for parts in fused for part in parts)
+    acts = sum(count[a] for a in ("relu", "relu6", "clip"))
+    return (f"{count['bn']} BatchNormalization folded, {count['add']} residual adds and {acts} activations "
+            f"fused into the conv kernels ({sum(bool(parts) for parts in fused)} of {len(fused)} convs)")
+
+
 def fusion_lines(convs: Mapping[str, ConvLayer]) -> List[str]:
     """For the CLI: the totals, then per conv what fused into it (and why a
     chain stopped); nothing when no conv is a FusedConv."""
     fused = {n: layer for n, layer in convs.items() if isinstance(layer, FusedConv)}
     if not fused:
         return []
-    count = Counter(part for layer in fused.values() for part in layer.fused)
-    acts = sum(count[a] for a in ("relu", "relu6", "clip"))
-    used = sum(bool(layer.fused) for layer in fused.values())
-    lines = [f"{count['bn']} BatchNormalization folded, {count['add']} residual adds and {acts} activations "
-             f"fused into the conv kernels ({used} of {len(fused)} convs)"]
+    lines = [fusion_totals([layer.fused for layer in fused.values()])]
     lines += [f"  {n}: {'+'.join(layer.fused) or 'nothing'}" + (f" ({layer.note})" if layer.note else "")
               for n, layer in fused.items() if layer.fused or layer.note]
     return lines

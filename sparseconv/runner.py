@@ -39,7 +39,7 @@ from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, line
                    sparse_rows)
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
-from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, value_shapes
+from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, fusion_lines, value_shapes
 from .pool import launch_max_pool
 from .progress import StepLine
 from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route, timing_label
@@ -560,6 +560,8 @@ class SparseModel:
     (an operator that reads a device value on the host) runs eagerly instead;
     `graph_notes` says which happened for each shape, and why."""
 
+    front_end = "runner"  # onnx_compile.compile_model's front ends: this one, or "fx" (onnx_fx.FxOnnxModel)
+
     def __init__(self, program: OnnxProgram, kernels: Dict[str, Any], *, cuda_graph: bool = False,
                  routes: Optional[Dict[str, RouteChoice]] = None, dense: Optional[Dict[str, Any]] = None,
                  route_note: str = "", tables: Optional[Dict[str, Any]] = None) -> None:
@@ -569,6 +571,7 @@ class SparseModel:
         self.dense = dict(dense or {})  # layer name -> DenseConv2dKernel, where a route sends a batch to cuDNN
         self.tables = dict(tables or {})  # layer name -> TableConv2d, where a route sends a batch to the table
         self.route_note = route_note
+        self.front_end_note = ""  # why onnx_compile.compile_model(front_end="auto") took this front end
         self.cuda_graph = cuda_graph
         self.graph_notes: Dict[Tuple[int, ...], str] = {}
         self._graphs: Dict[Tuple[int, ...], Optional[CapturedForward]] = {}
@@ -703,6 +706,14 @@ class SparseModel:
 
     def __call__(self, x: Any) -> Any:
         return self.run(x)[0]
+
+    def fused(self, name: str) -> Tuple[str, ...]:
+        """What was folded or fused into layer `name` ("bn", "add", "relu", ...)."""
+        return tuple(getattr(self.program.convs.get(name), "fused", ()))
+
+    def fusion_lines(self) -> List[str]:
+        """What fusion did: the totals, then per conv (onnx_fuse.fusion_lines)."""
+        return fusion_lines(self.program.convs)
 
     @property
     def plan(self) -> List[str]:

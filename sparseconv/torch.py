@@ -169,7 +169,7 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             with cupy.cuda.Device(device.index):
                 m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
         choice = choose_route(time_both, sizes, time_table=time_table)
-        m.route = list(choice.route)
+        m.route, m.route_choice = list(choice.route), choice
         if all(path != "table" for _, path in m.route):
             m.table = None
         # the dense path of a Linear is cuBLAS's F.linear, not cuDNN

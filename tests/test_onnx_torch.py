@@ -13,7 +13,7 @@ ort = pytest.importorskip("onnxruntime")
 from click.testing import CliRunner  # noqa: E402
 from onnx import helper  # noqa: E402
 
-from onnx_models import save_model  # noqa: E402
+from onnx_models import residual_net, save_model  # noqa: E402
 from sparseconv.cli import main  # noqa: E402
 from sparseconv.fx import LinearOptions, prepare  # noqa: E402
 from sparseconv.model import ModelError  # noqa: E402
@@ -40,35 +40,6 @@ def _export(net, shape, path):
     return path
 
 
-def _residual_net(folder, rng):
-    """Conv -> BN -> Relu -> MaxPool (3, stride 2, pad 1) -> Conv -> BN -> Add
-    (the pool's output) -> Relu -> Clip(0, 6) -> Mul by a constant ->
-    GlobalAveragePool -> Reshape (0, -1) -> Gemm transB=1 -> Softmax."""
-    def bn(prefix, c):
-        return {f"{prefix}_s": rng.uniform(0.5, 1.5, c).astype(F32), f"{prefix}_b": rng.uniform(-.2, .2, c).astype(F32),
-                f"{prefix}_m": rng.uniform(-.1, .1, c).astype(F32), f"{prefix}_v": rng.uniform(.5, 2, c).astype(F32)}
-
-    inits = {"w1": pruned_weight(rng, (8, 3, 3, 3), 0.5), "w2": pruned_weight(rng, (8, 8, 3, 3), 0.8),
-             **bn("bn1", 8), **bn("bn2", 8), "lo": np.array(0.0, F32), "hi": np.array(6.0, F32),
-             "k": np.array(0.5, F32), "shape": np.array([0, -1], np.int64),
-             "wf": pruned_weight(rng, (10, 8), 0.3), "bf": rng.standard_normal(10).astype(F32)}
-    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-             helper.make_node("BatchNormalization", ["c1", "bn1_s", "bn1_b", "bn1_m", "bn1_v"], ["n1"], name="bn1"),
-             helper.make_node("Relu", ["n1"], ["r1"]),
-             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
-             helper.make_node("Conv", ["p1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-             helper.make_node("BatchNormalization", ["c2", "bn2_s", "bn2_b", "bn2_m", "bn2_v"], ["n2"], name="bn2"),
-             helper.make_node("Add", ["n2", "p1"], ["a2"]),
-             helper.make_node("Relu", ["a2"], ["r2"]),
-             helper.make_node("Clip", ["r2", "lo", "hi"], ["q2"]),
-             helper.make_node("Mul", ["q2", "k"], ["m2"]),
-             helper.make_node("GlobalAveragePool", ["m2"], ["g"]),
-             helper.make_node("Reshape", ["g", "shape"], ["f"]),
-             helper.make_node("Gemm", ["f", "wf", "bf"], ["logits"], name="fc", transB=1),
-             helper.make_node("Softmax", ["logits"], ["out"], axis=1)]
-    return save_model(Path(folder) / "residual.onnx", nodes, inits, ["N", 3, 12, 12])
-
-
 def test_the_shipped_lenet_converts_and_matches_onnxruntime():
     module, shape = onnx_to_torch(LENET)
     assert shape == (1, 8, 8)
@@ -79,7 +50,7 @@ def test_the_shipped_lenet_converts_and_matches_onnxruntime():
 
 
 def test_a_residual_net_converts_matches_onnxruntime_and_sparsify_folds_and_fuses_it(tmp_path):
-    path = _residual_net(tmp_path, np.random.default_rng(3))
+    path = residual_net(tmp_path, np.random.default_rng(3))
     module, shape = onnx_to_torch(path)
     assert shape == (3, 12, 12)
     types = {type(m).__name__ for m in module.modules()}

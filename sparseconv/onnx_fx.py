@@ -1,0 +1,153 @@
+"""An ONNX model through the fx front end: onnx_torch converts the graph to a
+torch.fx module, and sparseconv.torch.sparsify folds BatchNorm, fuses the
+epilogues, compiles, routes and captures it: the same passes a PyTorch model
+goes through, written once (issue 13, item 0).
+
+    model = compile_onnx_fx("models/lenet_digits_pruned.onnx")   # FxOnnxModel
+    logits = model(x)     # x: CuPy or NumPy (N, 1, 8, 8) float32 -> CuPy array
+
+`sparseconv run --front-end fx` and `compile_model(..., front_end="fx")` use
+this; the ONNX runner (runner.py) stays for models the conversion refuses and
+for machines without torch. Needs torch with CUDA.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .fx import ConvPlan
+from .onnx_fuse import fusion_totals
+from .onnx_torch import onnx_to_torch
+from .routing import RouteChoice
+from .torch import CudaGraphModule, sparsify
+
+FRONT_END = "fx"
+
+
+class FxOnnxModel:
+    """A pruned ONNX model converted to torch.fx and sparsified: its convs (and
+    pruned Gemm/MatMul layers) sparseconv kernels, the rest torch. Called like
+    runner.SparseModel: a CuPy or NumPy input, CuPy outputs on the current
+    device. `plans` is sparsify's plan (one ConvPlan a conv or Linear), `plan`
+    the same as text lines with each captured input shape."""
+
+    front_end = FRONT_END
+
+    def __init__(self, path: Path, module: torch.nn.Module, input_shape: Tuple[int, ...],
+                 onnx_batch: Optional[int]) -> None:
+        self.path = path
+        self.module = module                  # what sparsify returned (a CudaGraphModule with cuda_graph=True)
+        self.input_shape = input_shape        # (C, H, W)
+        self.onnx_batch = onnx_batch          # the batch size the file fixes, or None
+        self.front_end_note = ""              # why onnx_compile.compile_model(front_end="auto") took this one
+        self.route_note = ""                  # as SparseModel's: sparsify always has torch, so routing always runs
+        self.plans: List[ConvPlan] = list(getattr(module, "sparseconv_plan", []))
+        graph_module = module.module if isinstance(module, CudaGraphModule) else module
+        # name -> FusedConv2d / FusedLinear, the layers that carry a kernel
+        self.layers: Dict[str, Any] = {name: m for name, m in graph_module.named_modules()
+                                       if getattr(m, "kernel", None) is not None}
+
+    @property
+    def kernels(self) -> Dict[str, Any]:
+        """Layer name -> its compiled sparseconv kernel (as SparseModel.kernels)."""
+        return {name: m.kernel for name, m in self.layers.items()}
+
+    @property
+    def routes(self) -> Dict[str, RouteChoice]:
+        """Layer name -> the route measured for it, where routing ran."""
+        return {name: m.route_choice for name, m in self.layers.items() if m.route_choice is not None}
+
+    @property
+    def graph_notes(self) -> Dict[Tuple[int, ...], str]:
+        """Each input shape captured as a CUDA graph (cuda_graph=True)."""
+        if not isinstance(self.module, CudaGraphModule):
+            return {}
+        return {tuple(shape): "captured" for shape in self.module.captured_shapes()}
+
+    def _input(self, x: Any) -> torch.Tensor:
+        import cupy
+
+        device = torch.device("cuda", cupy.cuda.Device().id)
+        if isinstance(x, cupy.ndarray):
+            # DLPack with stream order: torch waits for CuPy's current stream
+            t = torch.from_dlpack(cupy.ascontiguousarray(x, dtype=cupy.float32))
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device)
+        if tuple(t.shape[1:]) != self.input_shape or t.dim() != 4:
+            raise ValueError(f"{self.path}: input of shape {tuple(t.shape)}, the model takes "
+                             f"(N, {', '.join(map(str, self.input_shape))})")
+        if self.onnx_batch is not None and t.shape[0] != self.onnx_batch:
+            raise ValueError(f"{self.path}: the file fixes the batch size to {self.onnx_batch}, got a batch of "
+                             f"{t.shape[0]}; export it with a dynamic batch axis")
+        return t
+
+    def run(self, x: Any) -> List[Any]:
+        """All graph outputs, as CuPy float32 arrays (asynchronous on CuPy's current stream)."""
+        import cupy
+
+        with torch.no_grad():
+            y = self.module(self._input(x))
+        outputs = list(y) if isinstance(y, (tuple, list)) else [y]
+        return [cupy.from_dlpack(t.contiguous()) for t in outputs]  # CuPy's stream waits for torch's
+
+    def __call__(self, x: Any) -> Any:
+        return self.run(x)[0]
+
+    @property
+    def plan(self) -> List[str]:
+        """One line per conv and Linear (its path, what fused into it, and the
+        times behind the route), the pools and gemvs, and the CUDA graphs."""
+        lines = [plan_line(p) for p in self.plans]
+        graph_module = self.module.module if isinstance(self.module, CudaGraphModule) else self.module
+        lines += [f"{name}: MaxPool, sparseconv.pool (no indices)" for name in getattr(self.module, "sparseconv_pools",
+                                                                                        [])]
+        lines += [f"{name}: {type(graph_module.get_submodule(name)).__name__}"
+                  for name in getattr(self.module, "sparseconv_gemv", [])]
+        lines += [f"CUDA graph for input {'x'.join(map(str, s))}: {note}" for s, note in self.graph_notes.items()]
+        return lines
+
+    def fused(self, name: str) -> Tuple[str, ...]:
+        """What was folded or fused into layer `name` ("bn", "add", "relu", ...)."""
+        return next((p.fused for p in self.plans if p.name == name), ())
+
+    def fusion_lines(self) -> List[str]:
+        """The totals of what was folded and fused (as onnx_fuse.fusion_lines' first line)."""
+        return conv_fusion_totals(self.plans)
+
+
+def plan_line(p: ConvPlan) -> str:
+    """One plan entry as text: name, kind and shape, what fused, the path and why."""
+    kind = "Conv" if p.kind == "conv" else "Linear"
+    shape = f" {p.shape.describe()}" if p.shape is not None and p.kind == "conv" else \
+        f" {p.shape.in_channels}->{p.shape.out_channels}" if p.shape is not None else ""
+    fused = f", fused {'+'.join(p.fused)}" if p.fused else ""
+    return f"{p.name}: {kind}{shape}{fused}, {p.action}" + (f" ({p.reason})" if p.reason else "")
+
+
+def conv_fusion_totals(plans: Sequence[ConvPlan]) -> List[str]:
+    """The totals line of what fused into the compiled convs; nothing when none compiled."""
+    convs = [p for p in plans if p.kind == "conv" and p.action != "kept"]
+    return [fusion_totals([p.fused for p in convs])] if convs else []
+
+
+def compile_onnx_fx(path: Path, *, input_size: Optional[Tuple[int, int]] = None, cache_dir: Optional[str] = None,
+                    jobs: Optional[int] = None, progress: bool = True, tiling: Optional[str] = None,
+                    backend: str = "sparseconv", tune_batch: int = 64, cuda_graph: bool = False, fuse: bool = True,
+                    route_batches: Optional[Sequence[int]] = (1, 64), table: bool = True) -> FxOnnxModel:
+    """Convert the ONNX model at `path` to torch.fx (onnx_torch.onnx_to_torch)
+    and sparsify it on the current CuPy device; the options are
+    runner.compile_model's, with sparsify's meaning. Raises model.ModelError
+    (naming the file and node) where the conversion refuses the graph."""
+    import cupy
+
+    module, shape = onnx_to_torch(Path(path), input_size)
+    device = torch.device("cuda", cupy.cuda.Device().id)
+    batch = module.onnx_batch or 1
+    example = torch.randn((batch,) + shape, device=device)
+    fast = sparsify(module.to(device), example, tiling=tiling, backend=backend, tune_batch=tune_batch,
+                    cache_dir=cache_dir, jobs=jobs, progress=progress, fuse=fuse, cuda_graph=cuda_graph,
+                    route_batches=route_batches, table=table)
+    return FxOnnxModel(Path(path), fast, shape, module.onnx_batch)

@@ -1,0 +1,90 @@
+"""GPU: ONNX models through the fx front end (onnx_fx.py: onnx_torch's
+conversion, then sparsify's passes), against the float64 reference of the
+graph as written and against onnxruntime, eagerly and in CUDA graphs, through
+compile_model and `sparseconv run --front-end fx` (issue 13, item 0)."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from sparseconv.testing import relative_l2
+
+pytestmark = pytest.mark.gpu
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+LENET = MODELS / "lenet_digits_pruned.onnx"
+DIGITS = MODELS / "digits_test.npz"
+
+
+def test_lenet_through_fx_gives_the_dense_predictions_on_the_whole_test_split(session_cache_dir):
+    pytest.importorskip("onnx")
+    pytest.importorskip("torch")
+    import cupy as cp
+
+    from sparseconv import compile_model
+    from sparseconv.runner import load_data, load_program, predict, run_reference
+
+    model = compile_model(LENET, front_end="fx", cache_dir=str(session_cache_dir), cuda_graph=True)
+    assert model.front_end == "fx" and sorted(model.kernels) == ["conv1", "conv2"], model.plan
+    program = load_program(LENET)
+    x, labels = load_data(DIGITS, program)
+    y = predict(model, x, 128)
+    ref = predict(lambda b: run_reference(program, b)[0], x, 450)
+    assert np.array_equal(y.argmax(1), ref.argmax(1))  # all 450 predictions
+    assert relative_l2(y, ref) <= 1e-5
+    record = json.loads((MODELS / "lenet_digits.json").read_text())
+    assert int(np.sum(y.argmax(1) == labels)) == round(record["pruned_test_accuracy"] * len(x))
+    xr = cp.random.default_rng().random((7, 1, 8, 8), dtype=cp.float32)  # fresh inputs, on the device
+    assert relative_l2(model(xr).get(), run_reference(program, xr)[0]) <= 1e-5
+    assert model.graph_notes == {(128, 1, 8, 8): "captured", (66, 1, 8, 8): "captured", (7, 1, 8, 8): "captured"}
+    conv_lines = [line for line in model.plan if line.startswith("conv")]
+    assert len(conv_lines) == 2 and all("fused relu" in s and "cuDNN fp32" in s for s in conv_lines), model.plan
+    assert sorted(model.routes) == ["conv1", "conv2"]
+
+
+@pytest.mark.parametrize("family", ["mobilenetv3", "resnet_block", "unet_head"])
+def test_exported_families_through_fx_match_onnxruntime_in_a_graph(tmp_path, family):
+    """BN folded and residual adds fused by sparsify's passes, not onnx_fuse:
+    the outputs still match onnxruntime, replayed in a CUDA graph."""
+    pytest.importorskip("onnxruntime")
+    from onnx_families import export, inputs, onnxruntime_outputs
+
+    from sparseconv.onnx_compile import compile_model
+
+    path = export(family, tmp_path / f"{family}.onnx")
+    model = compile_model(path, front_end="fx", cache_dir=str(tmp_path / "cache"), cuda_graph=True,
+                          route_batches=None)
+    assert model.kernels, model.plan
+    for seed in (11, 12):
+        x = inputs(3, seed=seed)
+        assert relative_l2(model(x).get(), onnxruntime_outputs(path, x)) <= 1e-5
+    assert model.graph_notes == {tuple(x.shape): "captured"}
+    if family == "resnet_block":
+        assert any("bn" in p.fused and "add" in p.fused for p in model.plans), model.plan
+
+
+def test_auto_takes_fx_where_the_conversion_takes_the_model(session_cache_dir):
+    pytest.importorskip("torch")
+    from sparseconv import compile_model
+
+    model = compile_model(LENET, front_end="auto", cache_dir=str(session_cache_dir), route_batches=None)
+    assert model.front_end == "fx" and model.front_end_note == "fx: every node converted"
+
+
+def test_cli_run_through_fx_checks_against_the_dense_reference(session_cache_dir, tmp_path):
+    pytest.importorskip("torch")
+    from sparseconv.cli import main
+
+    out = tmp_path / "logits.npy"
+    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--check", "--json", "--front-end", "fx",
+                                  "--cuda-graph", "--batch-size", "128", "-o", str(out),
+                                  "--cache-dir", str(session_cache_dir)])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output[r.output.index("{"):])
+    assert s["front_end"] == "fx" and s["same_predictions"] == 450 and s["relative_l2_vs_reference"] <= 1e-5
+    assert s["cuda_graphs"] == {"128x1x8x8": "captured", "66x1x8x8": "captured"}, s["cuda_graphs"]
+    for info in s["layers"].values():
+        assert [t["batch"] for t in info["route"]["times_us"]] == [1, 64] and info["fused"] == ["relu"]
+    assert np.load(out).shape == (450, 10)
