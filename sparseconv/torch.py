@@ -63,16 +63,22 @@ class CudaGraphModule(nn.Module):
             raise RuntimeError("the CUDA-graph model is inference-only; call it under torch.no_grad()")
         # Host time here is part of every forward (docs/PERFORMANCE.md, session 26, run bh): one
         # dict lookup, the torch.Size as it is (a tuple), no tree walk for a single-tensor output.
-        key = (x.shape, x.dtype, x.device)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._capture(x)
-        graph, static_in, static_out = entry
+        graph, static_in, static_out = self.graph_for(x)
         static_in.copy_(x)
         graph.replay()
         if isinstance(static_out, torch.Tensor):
             return static_out.clone()
         return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, static_out)
+
+    def graph_for(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor, Any]:
+        """(graph, static input, static output) of x's shape, captured now if
+        new: for a caller that copies in and out itself (onnx_fx.FxOnnxModel,
+        from CuPy arrays)."""
+        key = (x.shape, x.dtype, x.device)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(x)
+        return entry
 
     def _capture(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor, Any]:
         static_in = x.detach().clone()
