@@ -336,10 +336,10 @@ def compile(model: Path, output: Optional[Path], fmt: Optional[str], spec_path: 
 @click.option("--cuda-graph", is_flag=True, help="Capture the forward once per batch shape as a CUDA graph and "
               "replay it (fewer launch gaps; a shape that cannot be captured runs eagerly, and the output says "
               "why).")
-@click.option("--front-end", type=click.Choice(FRONT_ENDS), default="runner", show_default=True,
-              help="runner: the ONNX runner (CuPy operators); fx: the graph converted to torch.fx and put through "
-              "the passes of sparseconv.torch.sparsify (needs torch with CUDA); auto: fx where it takes the "
-              "model, else the runner.")
+@click.option("--front-end", type=click.Choice(FRONT_ENDS), default="auto", show_default=True,
+              help="fx: the graph converted to torch.fx and put through the passes of sparseconv.torch.sparsify "
+              "(needs torch with CUDA); runner: the ONNX runner (CuPy operators, more ONNX operators); auto: fx "
+              "where torch with CUDA is installed and the conversion takes every node, else the runner.")
 @click.option("--check", is_flag=True, help="Also run the dense float64 reference and compare predictions.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the model's first output for every input to this .npy file.")
@@ -352,8 +352,11 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         cache_dir: Optional[Path], as_json: bool) -> None:
     """Run an ONNX model end to end, every Conv a sparseconv kernel on the GPU.
 
-    The other operators run as CuPy code (see sparseconv/runner.py for the
-    list). Prints accuracy when the data has labels. Example:
+    The graph is converted to torch.fx and compiled by the passes of the
+    PyTorch drop-in where torch with CUDA is installed and the conversion
+    covers every node; else the ONNX runner runs the other operators as CuPy
+    code (sparseconv/runner.py lists them). The output says which. Prints
+    accuracy when the data has labels. Example:
 
         sparseconv run models/lenet_digits_pruned.onnx --data models/digits_test.npz --check
     """
@@ -361,8 +364,8 @@ def run(model: Path, data_path: Path, input_key: Optional[str], label_key: Optio
         raise click.UsageError("--autotune times GPU kernels; it does not apply to --backend reference")
     if cuda_graph and backend == "reference":
         raise click.UsageError("--cuda-graph replays GPU work; it does not apply to --backend reference")
-    if front_end != "runner" and backend == "reference":
-        raise click.UsageError("--front-end chooses how the GPU runs the model; --backend reference runs the "
+    if front_end == "fx" and backend == "reference":
+        raise click.UsageError("--front-end fx chooses how the GPU runs the model; --backend reference runs the "
                                "ONNX graph as written on the CPU")
     check_output_file(output, "-o", ".npy")
     try:

@@ -610,11 +610,15 @@ def _activation(node: fx.Node, modules: Dict[str, nn.Module]) -> Optional[Tuple[
     def bounds(lo: Any, hi: Any) -> Optional[Tuple[str, Optional[Tuple[float, float]]]]:
         if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in (lo, hi)):
             return None                      # a tensor bound: not an epilogue
-        if lo is None or hi is None:
-            return ("relu", None) if hi is None and lo == 0 else None
-        if float(lo) > float(hi):
+        if lo is None and hi is None:
             return None
-        return ("relu6", None) if (lo, hi) == (0, 6) else ("clip", (float(lo), float(hi)))
+        # one bound only (an ONNX Clip with min or max alone) clamps at an infinite other end, as onnx_fuse does
+        lo, hi = -math.inf if lo is None else float(lo), math.inf if hi is None else float(hi)
+        if math.isnan(lo) or math.isnan(hi) or lo > hi:
+            return None
+        if (lo, hi) == (0.0, math.inf):
+            return "relu", None
+        return ("relu6", None) if (lo, hi) == (0.0, 6.0) else ("clip", (lo, hi))
 
     if node.op == "call_module":
         m = modules.get(str(node.target))

@@ -1,12 +1,20 @@
 """compile_model: a whole ONNX model on the GPU, through one of two front ends.
 
-- "runner" (default): runner.py parses the graph into its own program,
-  fuses it (onnx_fuse.py) and runs the non-conv operators as CuPy code.
+- "auto" (default): fx where torch with CUDA is installed and the
+  conversion takes every node, else the runner; `model.front_end_note`
+  says which and why.
 - "fx": onnx_torch.py converts the graph to torch.fx and
   sparseconv.torch.sparsify runs the passes a PyTorch model goes through
-  (onnx_fx.py). Needs torch with CUDA.
-- "auto": fx where torch with CUDA is installed and the conversion takes
-  every node, else the runner; `model.front_end_note` says which and why.
+  (onnx_fx.py): one set of passes for both kinds of model. Needs torch
+  with CUDA.
+- "runner": runner.py parses the graph into its own program, fuses it
+  (onnx_fuse.py) and runs the non-conv operators as CuPy code; it takes
+  operators the conversion does not (onnx_torch.CONVERTERS lists those
+  it does) and needs no torch.
+
+On ResNet-50 exported to ONNX both run the same kernels in the same time
+(H100, bench/front_end_ab.py: 405.2 vs 404.9 us a forward at batch 1,
+6,491 vs 6,514 at batch 64; docs/PERFORMANCE.md, session 31).
 
 Both models are called the same way (a CuPy or NumPy input, CuPy outputs)
 and both have .plan, .kernels, .routes and .graph_notes. This module sits
@@ -35,7 +43,7 @@ def torch_cuda_missing() -> str:
     return ""
 
 
-def compile_model(path: Path, *, front_end: str = "runner", input_size: Optional[Tuple[int, int]] = None,
+def compile_model(path: Path, *, front_end: str = "auto", input_size: Optional[Tuple[int, int]] = None,
                   cache_dir: Optional[str] = None, jobs: Optional[int] = None, progress: bool = True,
                   tiling: Optional[str] = None, backend: str = "sparseconv", tune_batch: int = 64,
                   cuda_graph: bool = False, fuse: bool = True, route_batches: Optional[Sequence[int]] = (1, 64),

@@ -1,6 +1,7 @@
 """CPU: the torch.fx front end (sparseconv/fx.py). Every pass is checked against
 the original, unfolded module: in float64 to 1e-10, in float32 to 1e-5."""
 import copy
+import math
 
 import pytest
 
@@ -87,6 +88,24 @@ def test_every_chain_spelling_fuses_and_matches_in_float64():
     assert ops == ["placeholder"] + ["call_module"] * 8 + ["output"]
     assert not any(isinstance(mod, nn.BatchNorm2d) for mod in front.module.modules())
     assert isinstance(m.c1, nn.Conv2d)  # the model itself is untouched
+
+
+class OneBound(nn.Module):
+    """Clamps with one bound, as an ONNX Clip with min or max alone converts."""
+
+    def __init__(self):
+        super().__init__()
+        self.hi, self.lo, self.none = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return torch.cat([torch.clamp(self.hi(x), None, 0.25), self.lo(x).clamp(min=-0.1),
+                          torch.clamp(self.none(x), min=torch.tensor(0.0))], 1)
+
+
+def test_a_clamp_with_one_bound_fuses_as_a_clip_open_at_the_other_end():
+    front = check(prune_(OneBound()).double(), torch.randn(2, 3, 7, 5, dtype=torch.float64))
+    assert {p.name: p.fused for p in front.plans} == {"hi": ("clip",), "lo": ("clip",), "none": ()}
+    assert front.convs["hi"].clip == (-math.inf, 0.25) and front.convs["lo"].clip == (-0.1, math.inf)
 
 
 def test_float32_fusion_matches_within_1e_5():

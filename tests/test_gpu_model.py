@@ -21,7 +21,7 @@ def test_shipped_lenet_gives_the_dense_predictions_on_the_whole_test_split(sessi
     pytest.importorskip("onnx")
     import cupy as cp
 
-    from sparseconv import compile_model
+    from sparseconv.runner import compile_model  # the runner (the fx front end: test_gpu_onnx_fx.py)
     from sparseconv.runner import load_data, predict, run_reference
 
     model = compile_model(LENET, cache_dir=str(session_cache_dir))

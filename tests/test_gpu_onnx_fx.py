@@ -78,6 +78,26 @@ def test_auto_takes_fx_where_the_conversion_takes_the_model(session_cache_dir):
     assert model.front_end == "fx" and model.front_end_note == "fx: every node converted"
 
 
+def test_auto_runs_a_model_the_conversion_refuses_on_the_runner_and_says_why(tmp_path):
+    """Abs has no converter (onnx_torch.CONVERTERS) but the runner runs it."""
+    pytest.importorskip("torch")
+    from onnx import helper
+    from onnx_models import save_model
+
+    from sparseconv import compile_model
+    from sparseconv.runner import load_program, run_reference
+    from sparseconv.testing import pruned_weight
+
+    rng = np.random.default_rng(5)
+    path = save_model(tmp_path / "abs.onnx", [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+                                               helper.make_node("Abs", ["c"], ["out"], name="abs")],
+                      {"w": pruned_weight(rng, (8, 4, 3, 3), 0.8)}, ["N", 4, 10, 10])
+    model = compile_model(path, cache_dir=str(tmp_path / "cache"), route_batches=None)
+    assert model.front_end == "runner" and "node abs has operator Abs" in model.front_end_note, model.front_end_note
+    x = rng.standard_normal((3, 4, 10, 10)).astype(np.float32)
+    assert relative_l2(model(x).get(), run_reference(load_program(path), x)[0]) <= 1e-5
+
+
 def test_cli_run_through_fx_checks_against_the_dense_reference(session_cache_dir, tmp_path):
     pytest.importorskip("torch")
     from sparseconv.cli import main

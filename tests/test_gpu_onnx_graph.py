@@ -34,7 +34,7 @@ def test_graph_replays_equal_eager_runs_on_two_shapes_and_kept_outputs_survive(s
     pytest.importorskip("onnx")
     import cupy as cp
 
-    from sparseconv import compile_model
+    from sparseconv.runner import compile_model  # the runner's graphs and routes
     from sparseconv.runner import run_reference
 
     eager = compile_model(LENET, cache_dir=str(session_cache_dir), route_batches=None)
@@ -88,7 +88,7 @@ def test_routing_measures_every_conv_and_routed_layers_replay_in_the_graph(sessi
     pytest.importorskip("torch")
     import cupy as cp
 
-    from sparseconv import compile_model
+    from sparseconv.runner import compile_model  # the runner's graphs and routes
     from sparseconv.routing import RouteChoice
     from sparseconv.runner import run_reference
     from sparseconv.runtime import DenseConv2dKernel
@@ -155,7 +155,7 @@ def test_convs_routed_to_the_weight_table_match_float64_eager_and_in_a_graph(ses
     pytest.importorskip("torch")
     import cupy as cp
 
-    from sparseconv import compile_model
+    from sparseconv.runner import compile_model  # the runner's graphs and routes
     from sparseconv.routing import RouteChoice
     from sparseconv.runner import run_reference
     from sparseconv.shapes import ANY_BATCH

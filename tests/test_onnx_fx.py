@@ -13,6 +13,7 @@ pytest.importorskip("onnx")
 from click.testing import CliRunner  # noqa: E402
 
 from onnx_models import residual_net  # noqa: E402
+from onnx_toys import EXPECTED, toy  # noqa: E402
 from sparseconv.cli import main  # noqa: E402
 from sparseconv.fx import LinearOptions, prepare  # noqa: E402
 from sparseconv.model import ModelError  # noqa: E402
@@ -58,6 +59,14 @@ def test_conv_fusion_totals_count_only_compiled_convs():
     assert conv_fusion_totals([p for p in front.plans if p.kind != "conv"]) == []
 
 
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_fx_front_end_fuses_each_onnx_toy_as_the_runner_does(tmp_path, name):
+    """The chains onnx_fuse fuses (EXPECTED, checked on the runner in
+    test_onnx_fuse.py), found again by sparsify's passes on the converted graph."""
+    front, _ = _front_end(toy(name, tmp_path))
+    assert {p.name: p.fused for p in front.plans if p.kind == "conv"} == EXPECTED[name]
+
+
 @pytest.mark.parametrize("front_end", ["torch", "", None])
 def test_compile_model_refuses_an_unknown_front_end_before_any_work(front_end):
     with pytest.raises(ValueError, match="compile_model: front_end must be one of runner, fx, auto"):
@@ -75,6 +84,6 @@ def test_the_fx_front_end_without_cuda_says_what_to_use_instead():
 def test_cli_run_refuses_a_front_end_with_the_cpu_reference():
     r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--backend", "reference",
                                   "--front-end", "fx"])
-    assert r.exit_code == 2 and "--front-end chooses how the GPU runs the model" in r.output, r.output
+    assert r.exit_code == 2 and "--front-end fx chooses how the GPU runs the model" in r.output, r.output
     r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--front-end", "onnx"])
     assert r.exit_code == 2 and "'onnx' is not one of 'runner', 'fx', 'auto'" in r.output, r.output
