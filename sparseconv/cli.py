@@ -235,19 +235,21 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
             how = "dense" if gemv is None else f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()})"
             click.echo(f"{name[:32]:32s} {'Gemm/MatMul':34s} {'':8s} {'':>10s}  run: {how}, {why}")
     if m.format == "onnx":
-        click.echo(f"sparseconv bench --network: {_bench_network_view(model, input_size)}")
+        click.echo(f"fx front end (`run`, `bench --network`): {_fx_view(model, input_size)}")
 
 
-def _bench_network_view(model: Path, input_size: Optional[str]) -> str:
-    """Whether `bench --network` can time this ONNX file (onnx_torch converts it), in a line."""
+def _fx_view(model: Path, input_size: Optional[str]) -> str:
+    """Whether onnx_torch converts this ONNX file, so that `bench --network`
+    can time it and `run` compiles it through the fx front end, in a line."""
     try:
         from .onnx_torch import onnx_to_torch  # torch: imported only here, inspect runs without it
     except ImportError:
-        return "needs torch (pip install torch) to convert the graph"
+        return "needs torch (pip install torch) to convert the graph; `run` uses the ONNX runner"
     try:
         module, shape = onnx_to_torch(model, parse_size(input_size, "--input-size") if input_size else None)
     except ModelError as exc:
-        return f"cannot convert it ({str(exc).split(': ', 1)[-1]})"
+        return (f"cannot convert it ({str(exc).split(': ', 1)[-1].split('; ')[0]}); `run` uses the ONNX runner, "
+                "`bench --network` cannot time it")
     convs = sum(type(m).__name__ == "Conv2d" for m in module.modules())
     return (f"converts to a torch.fx graph of {convs} conv{'s' if convs != 1 else ''}, "
             f"input (N, {', '.join(map(str, shape))})")

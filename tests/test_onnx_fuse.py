@@ -181,7 +181,7 @@ def test_inspect_says_what_run_folds_and_fuses(tmp_path):
     assert lines[6] == ("sparseconv run: 4 BatchNormalization folded, 2 residual adds and 3 activations fused "
                         "into the conv kernels (4 of 4 convs)")
     assert lines[7:-1] == ["  c1: bn+relu", "  c2: bn+add+relu", "  down: bn", "  c3: bn+add+relu"]
-    assert lines[-1].startswith("sparseconv bench --network: converts to a torch.fx graph of 4 convs")
+    assert lines[-1].startswith("fx front end (`run`, `bench --network`): converts to a torch.fx graph of 4 convs")
     r = CliRunner().invoke(main, ["inspect", str(toy("conv_is_output", tmp_path))])
     assert "  c1: nothing (not relu1: c1 is a graph output)" in r.output.splitlines()
 

@@ -271,15 +271,17 @@ def test_exported_blocks_of_common_architectures_convert_and_match_onnxruntime(t
         assert relative_l2(front.module(torch.from_numpy(x)).numpy(), got) <= 1e-5
 
 
-def test_inspect_says_whether_bench_network_can_take_the_file(tmp_path):
+def test_inspect_says_whether_the_fx_front_end_can_take_the_file(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(LENET)])
     assert r.exit_code == 0 and r.output.splitlines()[-1] == \
-        "sparseconv bench --network: converts to a torch.fx graph of 2 convs, input (N, 1, 8, 8)"
+        "fx front end (`run`, `bench --network`): converts to a torch.fx graph of 2 convs, input (N, 1, 8, 8)"
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
              helper.make_node("LayerNormalization", ["c", "g"], ["out"], name="norm", axis=-1)]
     path = save_model(tmp_path / "ln.onnx", nodes, {"w": pruned_weight(rng, (4, 3, 1, 1), 0.5),
                                                      "g": np.ones(5, F32)}, [1, 3, 5, 5])
     r = CliRunner().invoke(main, ["inspect", str(path)])
-    assert r.exit_code == 0 and r.output.splitlines()[-1].startswith(
-        "sparseconv bench --network: cannot convert it (node norm has operator LayerNormalization")
+    last = r.output.splitlines()[-1]
+    assert r.exit_code == 0 and last.startswith(
+        "fx front end (`run`, `bench --network`): cannot convert it (node norm has operator LayerNormalization")
+    assert last.endswith("); `run` uses the ONNX runner, `bench --network` cannot time it"), last
