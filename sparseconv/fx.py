@@ -88,8 +88,9 @@ class _KernelNode(nn.Module):
         self.activation, self.clip = activation, clip
         self.layer_name, self.fused = name, fused
         self.kernel: Any = None      # the sparseconv kernel, attached after compiling
-        # FusedConv2d only: the weight-table kernel (sparseconv.table), attached
-        # where routing timed it, kept where some batch size takes it
+        # The weight-table kernel (sparseconv.table; for a FusedLinear the sparse
+        # gemv, gemv.SparseLinearTable), attached where routing timed it, kept
+        # where some batch size takes it
         self.table: Any = None
         # (up to batch size, "sparseconv", "table" or "dense"), ascending, the
         # last for any batch: which path runs a CUDA input of that batch (set by
@@ -234,12 +235,16 @@ class FusedLinear(_KernelNode):
             raise TypeError(f"{self.layer_name}: a fused Linear takes no residual input")
         if self.kernel is None or not x.is_cuda:
             return self.reference(x)
-        if self.path(x.shape[0]) == "dense":
+        path = self.path(x.shape[0])
+        if path == "dense":
             with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
                 return self.reference(x.detach())
-        return self._run_kernel(x)
+        if path == "table" and self.table is not None and x.shape[0] <= MAX_GEMV_BATCH:
+            return self._run_kernel(x, self.table)
+        return self._run_kernel(x, self.kernel)
 
-    def _run_kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_kernel(self, x: torch.Tensor, kernel: Any) -> torch.Tensor:
+        """Through `kernel`: the sparseconv kernel, or the sparse gemv (gemv.SparseLinearTable)."""
         import cupy
 
         if x.requires_grad and torch.is_grad_enabled():
@@ -250,14 +255,14 @@ class FusedLinear(_KernelNode):
         if x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"{self.layer_name}: compiled for inputs (N, {self.in_features}), got "
                              f"{tuple(x.shape)}")
-        if x.device.index != self.kernel.device_id:
+        if x.device.index != kernel.device_id:
             raise ValueError(f"{self.layer_name}: input on {x.device}, kernel loaded on "
-                             f"cuda:{self.kernel.device_id}")
+                             f"cuda:{kernel.device_id}")
         x = x.detach().contiguous()
         out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32, device=x.device)
         if x.shape[0]:
             with cupy.cuda.Device(x.device.index), self._cupy_stream(x.device):
-                self.kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out))
+                kernel(cupy.from_dlpack(x), out=cupy.from_dlpack(out))
         return out
 
     def extra_repr(self) -> str:

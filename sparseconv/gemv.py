@@ -94,7 +94,7 @@ __device__ __forceinline__ void sum_and_store_row(float (&acc)[BATCH], int lane,
     if (live && part == 0 && lane == 0) {
         const float b0 = bias[row];
 #pragma unroll
-        for (int b = 0; b < BATCH; ++b) y[(long long)b * out_features + row] = acc[b] + b0;
+        for (int b = 0; b < BATCH; ++b) y[(long long)b * out_features + row] = ACTIVATE(acc[b] + b0);
     }
 }
 """
@@ -165,14 +165,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_gemv(
 """
 
 
-def _source(kernel: str, body: str, batch: int, variant: GemvVariant) -> str:
-    """body (a kernel's CUDA text) with its sizes defined and the shared parts before it."""
+def activation_macro(activation: str = "none", clip: Optional[Tuple[float, float]] = None) -> str:
+    """ACTIVATE(v), applied at the store: the epilogue of a fused Linear
+    (shapes.Epilogue's activations; clip bounds as exact float32 literals)."""
+    if activation == "none":
+        return "#define ACTIVATE(v) (v)\n"
+    if activation == "relu":
+        return "#define ACTIVATE(v) fmaxf((v), 0.0f)\n"
+    if activation == "relu6":
+        return "#define ACTIVATE(v) fminf(fmaxf((v), 0.0f), 6.0f)\n"
+    if activation == "clip" and clip is not None:
+        lo, hi = (float(np.float32(c)) for c in clip)
+        return f"#define ACTIVATE(v) fminf(fmaxf((v), {lo!r}f), {hi!r}f)\n"
+    raise ValueError(f"gemv: activation must be none, relu, relu6 or clip with (lo, hi), got {activation!r}, {clip}")
+
+
+def _source(kernel: str, body: str, batch: int, variant: GemvVariant, activation: str = "none",
+            clip: Optional[Tuple[float, float]] = None) -> str:
+    """body (a kernel's CUDA text) with its sizes and epilogue defined and the shared parts before it."""
     if not 1 <= batch <= MAX_GEMV_BATCH:
         raise ValueError(f"{kernel}: batch must be 1..{MAX_GEMV_BATCH}, got {batch}")
     if variant.split not in (1, 2, 4, 8) or variant.unroll < 1:
         raise ValueError(f"{kernel}: split must be 1, 2, 4 or 8 warps a feature and unroll >= 1, got {variant}")
     return (f"#define BATCH {batch}\n#define UNROLL {variant.unroll}\n#define WARPS {WARPS_PER_BLOCK}\n"
-            f"#define SPLIT {variant.split}\n" + GRID_DEPENDENCY_CUDA + _ROW_SUM_CUDA + body)
+            f"#define SPLIT {variant.split}\n" + activation_macro(activation, clip) + GRID_DEPENDENCY_CUDA
+            + _ROW_SUM_CUDA + body)
 
 
 def gemv_source(batch: int, variant: GemvVariant = GemvVariant()) -> str:
@@ -340,19 +357,23 @@ def sparse_gemv_variant(out_features: int, batch: int) -> GemvVariant:
     return GemvVariant(split=split, unroll=8 if split == 1 and batch <= 4 else 4)
 
 
-def sparse_gemv_source(batch: int, variant: GemvVariant = SPARSE_GEMV_VARIANT) -> str:
-    """The sparse kernel's CUDA source for `batch` images a launch."""
-    return _source("sparse gemv", _SPARSE_GEMV_SOURCE, batch, variant)
+def sparse_gemv_source(batch: int, variant: GemvVariant = SPARSE_GEMV_VARIANT, activation: str = "none",
+                       clip: Optional[Tuple[float, float]] = None) -> str:
+    """The sparse kernel's CUDA source for `batch` images a launch, with its
+    epilogue (activation_macro)."""
+    return _source("sparse gemv", _SPARSE_GEMV_SOURCE, batch, variant, activation, clip)
 
 
-_sparse_kernels: Dict[Tuple[int, int, GemvVariant], Any] = {}  # (device, batch, variant) -> kernel
+# (device, batch, variant, activation, clip) -> kernel
+_sparse_kernels: Dict[Tuple[int, int, GemvVariant, str, Optional[Tuple[float, float]]], Any] = {}
 
 
 def linear_sparse_gemv(device_id: int, x: Any, entries: Any, row_start: Any, bias: Any, y: Any,
-                       variant: Optional[GemvVariant] = None) -> None:
-    """y = x @ W.T + bias on the current stream for W given as SparseRows'
-    arrays on the GPU (CuPy: entries uint32 (nnz, 2), row_start int32
-    (out + 1,)); x (N, in), bias (out,), y (N, out) C-contiguous float32
+                       variant: Optional[GemvVariant] = None, activation: str = "none",
+                       clip: Optional[Tuple[float, float]] = None) -> None:
+    """y = act(x @ W.T + bias) on the current stream for W given as
+    SparseRows' arrays on the GPU (CuPy: entries uint32 (nnz, 2), row_start
+    int32 (out + 1,)); x (N, in), bias (out,), y (N, out) C-contiguous float32
     CuPy arrays, N <= MAX_GEMV_BATCH. variant None: sparse_gemv_variant's."""
     import cupy
 
@@ -371,11 +392,34 @@ def linear_sparse_gemv(device_id: int, x: Any, entries: Any, row_start: Any, bia
     if not 1 <= n <= MAX_GEMV_BATCH:
         raise ValueError(f"sparse gemv: needs 1..{MAX_GEMV_BATCH} images, got {n}")
     variant = variant or sparse_gemv_variant(out_features, n)
-    key = (device_id, n, variant)
+    key = (device_id, n, variant, activation, clip)
     if key not in _sparse_kernels:
-        _sparse_kernels[key] = cupy.RawKernel(sparse_gemv_source(n, variant), "sc_sparse_gemv")
+        _sparse_kernels[key] = cupy.RawKernel(sparse_gemv_source(n, variant, activation, clip), "sc_sparse_gemv")
     if y.size == 0:
         return
     blocks = -(-out_features // (WARPS_PER_BLOCK // variant.split))
     launch(_sparse_kernels[key], (blocks,), (WARPS_PER_BLOCK * 32,),
            (x, entries, row_start, bias, y, np.int32(in_features), np.int32(out_features)))
+
+
+class SparseLinearTable:
+    """A compiled Linear layer's weights as the sparse gemv's entries on the
+    GPU, with its bias and activation: FusedLinear's "table" path at batch <=
+    MAX_GEMV_BATCH, where routing timed it faster than its code and cuBLAS."""
+
+    def __init__(self, weight: np.ndarray, bias: Optional[np.ndarray], activation: str = "none",
+                 clip: Optional[Tuple[float, float]] = None) -> None:
+        import cupy
+
+        rows = sparse_rows(weight)
+        self.out_features, self.in_features, self.nnz = rows.out_features, rows.in_features, rows.nnz
+        self.entries, self.row_start = cupy.asarray(rows.entries), cupy.asarray(rows.row_start)
+        self.bias = cupy.asarray(np.zeros(rows.out_features, np.float32) if bias is None else bias, cupy.float32)
+        self.activation, self.clip = activation, clip
+        activation_macro(activation, clip)  # refused now, not at the first call
+        self.device_id = cupy.cuda.Device().id
+
+    def __call__(self, x: Any, out: Any) -> None:
+        """out = act(x @ W.T + bias) on the current stream (CuPy arrays on this device)."""
+        linear_sparse_gemv(self.device_id, x, self.entries, self.row_start, self.bias, out,
+                           activation=self.activation, clip=self.clip)

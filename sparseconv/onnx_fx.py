@@ -148,7 +148,11 @@ def plan_line(p: ConvPlan, route: Optional[RouteChoice] = None) -> str:
     shape = f" {p.shape.describe()}" if p.shape is not None and p.kind == "conv" else \
         f" {p.shape.in_channels}->{p.shape.out_channels}" if p.shape is not None else ""
     fused = f", fused {'+'.join(p.fused)}" if p.fused else ""
-    reason = f"{route.describe_route()}; {p.reason}" if route is not None and p.action == "mixed" else p.reason
+    reason = p.reason
+    if route is not None and p.action == "mixed":
+        # a Linear's "table" path is the sparse gemv (route_by_batch names it so in the reason too)
+        which = route.describe_route().replace("table", "sparse gemv") if p.kind == "linear" else route.describe_route()
+        reason = f"{which}; {reason}"
     return f"{p.name}: {kind}{shape}{fused}, {p.action}" + (f" ({reason})" if reason else "")
 
 

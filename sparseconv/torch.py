@@ -28,7 +28,7 @@ from torch import nn
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, SparseGemvLinear, conv_padding,
                  plan, prepare, swap_dense_linears, swap_max_pools, swap_modules)
-from .gemv import MAX_GEMV_BATCH
+from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
 from .shapes import ANY_BATCH, Epilogue
@@ -163,7 +163,7 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             return us[0], us[1]
 
         def time_table(b: int) -> Optional[float]:
-            if m.table is None or b > MAX_TABLE_BATCH:
+            if m.table is None or b > (MAX_GEMV_BATCH if isinstance(m, FusedLinear) else MAX_TABLE_BATCH):
                 return None
             x, r = inputs(b)
             m.route = [(ANY_BATCH, "table")]
@@ -174,13 +174,17 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
             import cupy
             with cupy.cuda.Device(device.index):
                 m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
+        elif table and isinstance(m, FusedLinear) and min(sizes) <= MAX_GEMV_BATCH:
+            import cupy
+            with cupy.cuda.Device(device.index):  # the sparse gemv, timed beside the code at small batches
+                m.table = SparseLinearTable(_host(m.weight), _host(m.bias), m.activation, m.clip)
         choice = choose_route(time_both, sizes, time_table=time_table)
         m.route, m.route_choice = list(choice.route), choice
         if all(path != "table" for _, path in m.route):
             m.table = None
         # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
-        notes[name] = choice.describe().replace("cuDNN", "cuBLAS") if isinstance(m, FusedLinear) \
-            else choice.describe()
+        notes[name] = choice.describe().replace("cuDNN", "cuBLAS").replace("table", "sparse gemv") \
+            if isinstance(m, FusedLinear) else choice.describe()
     line.close()
     return notes
 

@@ -368,3 +368,56 @@ def test_sparsify_runs_pruned_heads_it_does_not_compile_through_the_sparse_kerne
             got = fast(x)
             ref = ref_net(x.double())
             assert float((got.double() - ref).norm() / ref.norm()) < 1e-5, batch
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("activation,clip", [("relu", None), ("relu6", None), ("clip", (-0.5, 0.25))])
+def test_the_sparse_kernel_applies_a_fused_activation_at_the_store(activation, clip):
+    rng = np.random.default_rng(4)
+    n_in, n_out, batch = 300, 9, 2
+    w = _pruned(rng, (n_out, n_in), 0.8) * 3
+    rows = sparse_rows(w)
+    x = rng.standard_normal((batch, n_in)).astype(np.float32)
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    y = np.full((batch, n_out), np.nan, np.float32)
+    ptx = compile_to_ptx(sparse_gemv_source(batch, GemvVariant(1, 4), activation, clip), Target(), "sparse gemv")
+    run_kernel(ptx, "sc_sparse_gemv", grid=(2, 1, 1), block=(WARPS_PER_BLOCK * 32, 1, 1),
+               args=[x, rows.entries, rows.row_start, bias, y, n_in, n_out])
+    lo, hi = clip or ((0.0, 6.0) if activation == "relu6" else (0.0, np.inf))
+    ref = np.clip(x.astype(np.float64) @ w.astype(np.float64).T + bias, lo, hi)
+    assert np.abs(ref).max() > 0 and rel_l2(y, ref) < 1e-6
+    assert (y >= lo).all() and (y <= hi).all()
+
+
+def test_activation_macro_refuses_what_the_epilogue_does_not_have():
+    from sparseconv.gemv import activation_macro
+
+    assert activation_macro("clip", (0.1, 0.2)) == "#define ACTIVATE(v) fminf(fmaxf((v), 0.10000000149011612f), " \
+        "0.20000000298023224f)\n"   # the float32 bounds exactly
+    with pytest.raises(ValueError, match="activation must be none, relu, relu6 or clip"):
+        activation_macro("gelu")
+    with pytest.raises(ValueError, match="activation must be none, relu, relu6 or clip"):
+        activation_macro("clip")
+
+
+@pytest.mark.gpu
+def test_sparsify_times_the_sparse_gemv_for_compiled_linears_at_small_batches(tmp_path):
+    """A pruned Linear that compiles (under max_linear_weights) is timed at
+    batch <= 8 through the sparse gemv too, with its ReLU fused; whichever
+    path each batch takes, the output matches float64."""
+    import sparseconv.torch as sct
+
+    torch.manual_seed(2)
+    net = _PrunedClassifier().cuda().eval()
+    fast = sct.sparsify(net, torch.randn(1, 3, 6, 6, device="cuda"), cache_dir=str(tmp_path), progress=False,
+                        route_batches=(1, 16), cuda_graph=True)
+    plans = {p.name: p for p in fast.sparseconv_plan}
+    assert plans["fc1"].fused == ("relu",) and "batch 1: sparseconv" in plans["fc1"].reason
+    assert "sparse gemv" in plans["fc1"].reason.split(";")[0] and "sparse gemv" not in plans["fc1"].reason.split(";")[1]
+    ref_net = _PrunedClassifier().double().cuda().eval()
+    ref_net.load_state_dict(net.state_dict())
+    with torch.no_grad():
+        for batch in (1, 3, 16):
+            x = torch.randn(batch, 3, 6, 6, device="cuda")
+            ref = ref_net(x.double())
+            assert float((fast(x).double() - ref).norm() / ref.norm()) < 1e-5, batch
