@@ -40,25 +40,28 @@ def _export(net, shape, path):
     return path
 
 
-def test_the_shipped_lenet_converts_and_matches_onnxruntime():
-    module, shape = onnx_to_torch(LENET)
-    assert shape == (1, 8, 8)
-    x = np.random.default_rng().standard_normal((5,) + shape).astype(F32)
+def _converts_like_onnxruntime(path, batch, tol=1e-5):
+    """Convert `path`, run it on a fresh random batch and check it against
+    onnxruntime; returns (module, input shape, x, the module's output)."""
+    module, shape = onnx_to_torch(path)
+    x = np.random.default_rng().standard_normal((batch,) + shape).astype(F32)
     with torch.no_grad():
         got = module(torch.from_numpy(x)).numpy()
-    assert relative_l2(got, _onnxruntime(LENET, x)) <= 1e-6
+    assert relative_l2(got, _onnxruntime(path, x)) <= tol
+    return module, shape, x, got
+
+
+def test_the_shipped_lenet_converts_and_matches_onnxruntime():
+    _, shape, _, _ = _converts_like_onnxruntime(LENET, 5, tol=1e-6)
+    assert shape == (1, 8, 8)
 
 
 def test_a_residual_net_converts_matches_onnxruntime_and_sparsify_folds_and_fuses_it(tmp_path):
     path = residual_net(tmp_path, np.random.default_rng(3))
-    module, shape = onnx_to_torch(path)
+    module, shape, x, got = _converts_like_onnxruntime(path, 3)
     assert shape == (3, 12, 12)
     types = {type(m).__name__ for m in module.modules()}
     assert {"Conv2d", "BatchNorm2d", "ReLU", "ReLU6", "MaxPool2d", "AdaptiveAvgPool2d", "Linear"} <= types
-    x = np.random.default_rng().standard_normal((3,) + shape).astype(F32)
-    with torch.no_grad():
-        got = module(torch.from_numpy(x)).numpy()
-    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
     # the image size can be changed, as for `sparseconv run`
     assert onnx_to_torch(path, (16, 20))[1] == (3, 16, 20)
     # what sparsify does with it: BN folded, the residual add and the ReLU fused
@@ -145,12 +148,8 @@ def test_a_network_exported_by_torch_onnx_converts_and_matches_onnxruntime(tmp_p
             bn.running_mean.uniform_(-0.1, 0.1)
             bn.running_var.uniform_(0.5, 2.0)
     path = _export(net, (3, 16, 16), tmp_path / "exported.onnx")
-    module, shape = onnx_to_torch(path)
+    module, shape, x, got = _converts_like_onnxruntime(path, 4)
     assert shape == (3, 16, 16)
-    x = np.random.default_rng().standard_normal((4,) + shape).astype(F32)
-    with torch.no_grad():
-        got = module(torch.from_numpy(x)).numpy()
-    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
     front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
     fused = sorted(p.fused for p in front.plans if p.kind == "conv")
     assert fused == [("add", "relu"), ("relu",)]   # BN was folded by the exporter already
@@ -259,12 +258,8 @@ def test_exported_blocks_of_common_architectures_convert_and_match_onnxruntime(t
         net(torch.randn(1, *shape))   # LazyLinear's size
     net = prune_convs_(net, 0.5).eval()
     path = _export(net, shape, tmp_path / "block.onnx")
-    module, got_shape = onnx_to_torch(path)
+    module, got_shape, x, got = _converts_like_onnxruntime(path, 2)
     assert got_shape == shape
-    x = np.random.default_rng().standard_normal((2,) + shape).astype(F32)
-    with torch.no_grad():
-        got = module(torch.from_numpy(x)).numpy()
-    assert relative_l2(got, _onnxruntime(path, x)) <= 1e-5
     front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
     assert front.traced and sum(p.action == "sparseconv" for p in front.plans if p.kind == "conv") >= 4
     with torch.no_grad():
