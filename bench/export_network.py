@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import torch
 
+from sparseconv.cli_options import check_output_file
 from sparseconv.zoo_torch import NETWORKS, build_network
 
 
@@ -25,13 +26,18 @@ from sparseconv.zoo_torch import NETWORKS, build_network
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--prune-linears", is_flag=True, help="Prune the classifier too (as bench --network --prune-linears).")
 def main(network: str, out: Path, sparsity: float, seed: int, prune_linears: bool) -> None:
+    check_output_file(out, "OUT", ".onnx")  # before the network is built
     model = build_network(network, sparsity=sparsity, seed=seed, prune_linears=prune_linears)
-    partial = out.with_name(out.name + ".partial")  # a failed export leaves no file named like the result
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
-        torch.onnx.export(model, torch.randn(1, 3, 224, 224), str(partial), dynamo=False, opset_version=17,
-                          input_names=["x"], output_names=["logits"], dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
-    partial.replace(out)
+    partial = out.with_name(out.name + ".partial")  # written whole, then renamed: a failed export leaves nothing
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+            torch.onnx.export(model, torch.randn(1, 3, 224, 224), str(partial), dynamo=False, opset_version=17,
+                              input_names=["x"], output_names=["logits"],
+                              dynamic_axes={"x": {0: "N"}, "logits": {0: "N"}})
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
     click.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 

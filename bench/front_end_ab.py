@@ -21,6 +21,7 @@ import click
 import cupy
 import numpy as np
 
+from sparseconv.cli_options import check_output_file
 from sparseconv.onnx_compile import compile_model
 from sparseconv.runner import load_program, run_reference
 from sparseconv.testing import relative_l2
@@ -35,6 +36,7 @@ FRONT_ENDS = ("runner", "fx")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(model: Path, batches: Tuple[int, ...], rounds: int, out: Path) -> None:
+    check_output_file(out, "--out", ".json")  # before minutes of compiling
     program = load_program(model)
     shape = tuple(program.input_shape[1:])
     models, compile_s = {}, {}

@@ -304,6 +304,8 @@ def test_compile_arguments_out_of_range(tmp_path, args, needle):
 @pytest.mark.parametrize("args, needle", [
     (["--batch-size", "0"], "--batch-size"), (["-o", "/nonexistent-folder/y.npy"], "does not exist"),
     (["-o", "y.txt"], "must end in .npy"), (["--input-size", "0"], "--input-size"),
+    (["--front-end", "fx"], "--front-end fx chooses how the GPU runs the model; --backend reference runs"),
+    (["--front-end", "onnx"], "'onnx' is not one of 'runner', 'fx', 'auto'"),
 ])
 def test_run_arguments_out_of_range(tmp_path, args, needle):
     before = files_under(tmp_path)
@@ -926,14 +928,22 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/graph_wrapper_probe.py", ["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
     ("bench/graph_wrapper_probe.py", ["--out", "/nonexistent-folder/w.json"],
      "folder /nonexistent-folder does not exist"),
+    ("bench/export_network.py", ["lenet", "x.onnx"], "'lenet' is not one of 'resnet50', 'vgg16'."),
+    ("bench/export_network.py", ["vgg16", "/nonexistent-folder/v.onnx"], "folder /nonexistent-folder does not exist"),
+    ("bench/export_network.py", ["vgg16", "v.txt"], "v.txt: the output file must end in .onnx"),
+    ("bench/front_end_ab.py", ["models/lenet_digits_pruned.onnx", "--out", "/nonexistent-folder/ab.json"],
+     "folder /nonexistent-folder does not exist"),
+    ("bench/front_end_ab.py", ["models/lenet_digits_pruned.onnx", "--batch", "0"], "0 is not in the range x>=1."),
+    ("bench/front_end_ab.py", ["no-such.onnx"], "File 'no-such.onnx' does not exist."),
 ]
 
 
 @pytest.mark.parametrize("script, args, needle", _PROBE_REFUSALS,
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
-    """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py: exit
-    2, one line, nothing printed, assembled, compiled, timed or written."""
+    """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
+    export_network.py, front_end_ab.py: exit 2, one line, nothing printed,
+    assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
     assert "Traceback" not in r.stderr and r.stdout == ""

@@ -1,8 +1,8 @@
 """CPU: the fx front end for ONNX files (onnx_fx.py) and the choice between
 front ends (onnx_compile.py): the plan text from a converted graph's real
-front end, what compile_model and `sparseconv run` refuse before any work,
-and where "auto" falls back. The compiled path is on the GPU
-(test_gpu_onnx_fx.py)."""
+front end, what compile_model refuses before any work, and where "auto"
+falls back. `sparseconv run`'s refusals are in test_faults.py; the compiled
+path is on the GPU (test_gpu_onnx_fx.py)."""
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
-from click.testing import CliRunner  # noqa: E402
 
 from onnx_models import residual_net  # noqa: E402
 from onnx_toys import EXPECTED, toy  # noqa: E402
-from sparseconv.cli import main  # noqa: E402
 from sparseconv.fx import LinearOptions, prepare  # noqa: E402
 from sparseconv.model import ModelError  # noqa: E402
 from sparseconv.onnx_compile import compile_model, torch_cuda_missing  # noqa: E402
@@ -23,7 +21,6 @@ from sparseconv.onnx_torch import onnx_to_torch  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
 NO_CUDA = not torch.cuda.is_available()
 
 
@@ -79,11 +76,3 @@ def test_the_fx_front_end_without_cuda_says_what_to_use_instead():
     with pytest.raises(ModelError, match=r"lenet_digits_pruned.onnx: the fx front end needs torch with CUDA \(torch "
                                          r"has no usable CUDA device\); use front_end='runner'"):
         compile_model(LENET, front_end="fx")
-
-
-def test_cli_run_refuses_a_front_end_with_the_cpu_reference():
-    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--backend", "reference",
-                                  "--front-end", "fx"])
-    assert r.exit_code == 2 and "--front-end fx chooses how the GPU runs the model" in r.output, r.output
-    r = CliRunner().invoke(main, ["run", str(LENET), "--data", str(DIGITS), "--front-end", "onnx"])
-    assert r.exit_code == 2 and "'onnx' is not one of 'runner', 'fx', 'auto'" in r.output, r.output
