@@ -9,8 +9,9 @@
   with CUDA.
 - "runner": runner.py parses the graph into its own program, fuses it
   (onnx_fuse.py) and runs the non-conv operators as CuPy code; it takes
-  operators the conversion does not (onnx_torch.CONVERTERS lists those
-  it does) and needs no torch.
+  the operators the conversion does (onnx_torch.CONVERTERS covers
+  runner.OPS) and nodes it refuses (pads, slice bounds, axes or indices
+  computed at run time), and needs no torch.
 
 On ResNet-50 exported to ONNX both run the same kernels in the same time
 (H100, bench/front_end_ab.py: 405.2 vs 404.9 us a forward at batch 1,

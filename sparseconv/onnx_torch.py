@@ -4,13 +4,17 @@ weights, through sparsify and through PyTorch eager / torch.compile.
 
 No well-kept converter installs beside CI's CPU torch (onnx2torch and
 onnx2pytorch import torchvision; docs/DESIGN.md), so this one covers the
-operators CNN exports use, and nothing more. Each Conv becomes an
-nn.Conv2d, each BatchNormalization an nn.BatchNorm2d, each Gemm / MatMul with
-a constant weight an nn.Linear, activations and pools their nn modules:
-what sparsify's fx passes fold and fuse. The graph is read by
-runner.load_program (the parse `sparseconv run` uses), so a model refused
-there is refused here with the same message. Anything outside CONVERTERS
-raises ModelError naming the node; `sparseconv run` runs more operators.
+operators `sparseconv run` runs (runner.OPS), each as the runner computes
+it, and nothing more. Each Conv becomes an nn.Conv2d, each
+BatchNormalization an nn.BatchNorm2d, each Gemm / MatMul with a constant
+weight an nn.Linear, activations, pools and norms their nn modules: what
+sparsify's fx passes fold and fuse; the rest are torch functions, with
+their constant inputs (pads, slice bounds, axes, split sizes, indices,
+scales) read here. The graph is read by runner.load_program (the parse
+`sparseconv run` uses), so a model refused there is refused here with the
+same message. What does not convert raises ModelError naming the node: an
+operator outside CONVERTERS, or one whose bounds, pads, axes or indices are
+computed at run time, which `sparseconv run` still runs.
 
     module, input_shape = onnx_to_torch(Path("model.onnx"))   # input_shape: (C, H, W)
 """
@@ -20,7 +24,7 @@ import math
 import operator
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -122,6 +126,12 @@ class _Builder:
             self.root.register_buffer(attr, tensor)
             self.values[name] = self.graph.get_attr(attr)
         return self.values[name]
+
+    def buffer(self, n: Node, what: str, array: np.ndarray) -> fx.Node:
+        """A table of node n computed here (indices, weights) as a buffer."""
+        attr = self.attribute_name(f"{n.name}/{what}")
+        self.root.register_buffer(attr, torch.tensor(np.ascontiguousarray(array)))
+        return self.graph.get_attr(attr)
 
     def module(self, n: Node, module: nn.Module, *inputs: fx.Node) -> fx.Node:
         attr = self.attribute_name(n.name, n.op)
@@ -359,6 +369,358 @@ def _resize(b: _Builder, n: Node) -> fx.Node:
     return b.function(torch.nn.functional.interpolate, b.value(n.inputs[0]), **kwargs)
 
 
+def _input_const(b: _Builder, n: Node, k: int, what: str) -> Optional[np.ndarray]:
+    """Input k of node n, read now: it must be a constant (None where absent)."""
+    if len(n.inputs) <= k or not n.inputs[k]:
+        return None
+    const = b.constant(n.inputs[k])
+    if const is None:
+        raise ModelError(f"{b.where(n)}: {what} ({n.inputs[k]}) must be a constant (an initializer or a folded "
+                         "subgraph), not computed at run time; `sparseconv run` runs such a model on the ONNX runner")
+    return np.asarray(const)
+
+
+def _ints(a: Optional[np.ndarray]) -> Optional[List[int]]:
+    return None if a is None else [int(v) for v in a.reshape(-1)]
+
+
+def _axes(b: _Builder, n: Node, k: int = 1) -> Optional[List[int]]:
+    """Node n's axes: constant input k (newer opsets) or the attribute (older ones); None where neither."""
+    axes = _ints(_input_const(b, n, k, "the axes"))
+    return axes if axes is not None or "axes" not in n.attrs else [int(a) for a in n.attrs["axes"]]
+
+
+def _rank(b: _Builder, n: Node, what: str) -> int:
+    rank = b.rank(n.inputs[0])
+    if rank is None:
+        raise ModelError(f"{b.where(n)}: {what} needs the input's rank, which shape inference left open")
+    return rank
+
+
+def _dim(b: _Builder, n: Node, axis: int, what: str) -> int:
+    """The size of axis `axis` of node n's input, which the graph must fix."""
+    dims = b.program.shapes.get(n.inputs[0], ())
+    size = dims[axis] if -len(dims) <= axis < len(dims) else None
+    if not isinstance(size, int):
+        raise ModelError(f"{b.where(n)}: {what} needs the size of axis {axis} of the input, which the graph "
+                         "leaves free")
+    return size
+
+
+def _tensor(b: _Builder, n: Node, name: str) -> fx.Node:
+    """Input `name` of node n, a tensor: shape values (from Shape) convert only
+    through the operators of _shape_op."""
+    if name in b.shape_values:
+        raise ModelError(f"{b.where(n)}: {n.op} of a shape value (computed from a Shape node) does not convert; "
+                         "`sparseconv run` computes it on the host")
+    return b.value(name)
+
+
+def _unary(fn: Callable[[Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
+    return lambda b, n: b.function(fn, _tensor(b, n, n.inputs[0]))
+
+
+def _variadic(fn: Callable[[Any, Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
+    """Max / Min of any number of inputs, broadcast, folded pairwise as the runner does."""
+    def convert(b: _Builder, n: Node) -> fx.Node:
+        out = _tensor(b, n, n.inputs[0])
+        for name in n.inputs[1:]:
+            out = b.function(fn, out, _tensor(b, n, name))
+        return out
+    return convert
+
+
+def onnx_prelu(x: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+    """ONNX PRelu with a slope broadcast to x (where it is not one per channel)."""
+    return torch.where(x >= 0, x, x * slope)
+
+
+def _prelu(b: _Builder, n: Node) -> fx.Node:
+    """nn.PReLU where the slope is one value or one per channel (axis 1), else onnx_prelu."""
+    slope, rank, x = b.constant(n.inputs[1]), b.rank(n.inputs[0]), b.value(n.inputs[0])
+    if slope is not None and rank is not None and slope.ndim <= rank:
+        aligned = (1,) * (rank - slope.ndim) + tuple(slope.shape)
+        if slope.size == 1 or rank >= 2 and all(d == 1 for i, d in enumerate(aligned) if i != 1):
+            prelu = nn.PReLU(slope.size)
+            with torch.no_grad():
+                prelu.weight.copy_(torch.tensor(np.asarray(slope, np.float32).reshape(-1)))
+            return b.module(n, prelu, x)
+    return b.function(onnx_prelu, x, b.value(n.inputs[1]))
+
+
+def _gelu(n: Node) -> nn.Module:
+    approximate = _text(n.attrs.get("approximate"), "none")
+    if approximate not in ("none", "tanh"):
+        raise ModelError(f"node {n.name} (Gelu): approximate {approximate!r} is not an ONNX value (none, tanh)")
+    return nn.GELU(approximate=approximate)
+
+
+def _transpose(b: _Builder, n: Node) -> fx.Node:
+    perm = n.attrs.get("perm")
+    if perm is None:  # ONNX: the axes reversed
+        perm = range(_rank(b, n, "Transpose without perm") - 1, -1, -1)
+    return b.function(torch.permute, _tensor(b, n, n.inputs[0]), tuple(int(p) for p in perm))
+
+
+def _squeeze(b: _Builder, n: Node) -> fx.Node:
+    axes, x = _axes(b, n), _tensor(b, n, n.inputs[0])
+    return b.function(torch.squeeze, x) if axes is None else b.function(torch.squeeze, x, tuple(axes))
+
+
+def _unsqueeze(b: _Builder, n: Node) -> fx.Node:
+    axes = _axes(b, n)
+    if axes is None:
+        raise ModelError(f"{b.where(n)}: Unsqueeze needs its axes (the attribute, or a constant input)")
+    if any(a < 0 for a in axes):  # counted in the output's rank
+        rank = _rank(b, n, "a negative axis") + len(axes)
+        axes = [a % rank for a in axes]
+    out = b.value(n.inputs[0])
+    for a in sorted(axes):
+        out = b.function(torch.unsqueeze, out, a)
+    return out
+
+
+_BIG = 1 << 62  # ONNX's "to the end" bounds are INT64_MAX / INT64_MIN; clamped as the runner does
+
+
+def _slice(b: _Builder, n: Node) -> fx.Node:
+    """Slice (opset 10+) with constant bounds, clamped as Python slices are;
+    a negative step flips the axis (its size must be fixed) and slices it
+    forwards, since torch slices only forwards."""
+    starts, ends = _ints(_input_const(b, n, 1, "the starts")), _ints(_input_const(b, n, 2, "the ends"))
+    if starts is None or ends is None:
+        raise ModelError(f"{b.where(n)}: starts and ends as attributes (opset < 10) do not convert, as the runner "
+                         "does not run them; export with opset 10 or later")
+    axes, steps = _ints(_input_const(b, n, 3, "the axes")), _ints(_input_const(b, n, 4, "the steps"))
+    index: Dict[int, slice] = {}
+    flips = []
+    for a, s, e, step in zip(range(len(starts)) if axes is None else axes, starts, ends, steps or [1] * len(starts)):
+        a = a if a >= 0 else a + _rank(b, n, "a negative axis")
+        s, e = max(min(s, _BIG), -_BIG), max(min(e, _BIG), -_BIG)
+        if step > 0:
+            index[a] = slice(s, e, step)
+        elif step < 0:
+            size = _dim(b, n, a, "a negative step")
+            picked = range(*slice(s, e, step).indices(size))  # descending; after the flip, i is at size - 1 - i
+            flips.append(a)
+            index[a] = slice(size - 1 - picked[0], size - picked[-1], -step) if picked else slice(0, 0)
+        else:
+            raise ModelError(f"{b.where(n)}: a step of 0 on axis {a} is not an ONNX slice")
+    x = b.value(n.inputs[0])
+    if flips:
+        x = b.function(torch.flip, x, tuple(flips))
+    if not index:
+        return x
+    return b.function(operator.getitem, x, tuple(index.get(a, slice(None)) for a in range(max(index) + 1)))
+
+
+def _pad(b: _Builder, n: Node) -> fx.Node:
+    """Pad (opset 11+), constant mode, as torch's constant pad: negative pads crop."""
+    mode = _text(n.attrs.get("mode"), "constant")
+    if mode != "constant":  # runner.load_program refuses these first today
+        raise ModelError(f"{b.where(n)}: Pad mode {mode!r} does not convert (constant does, as in the runner)")
+    pads = _ints(_input_const(b, n, 1, "the pads"))
+    if pads is None:
+        raise ModelError(f"{b.where(n)}: pads as an attribute (opset < 11) do not convert, as the runner does not run "
+                         "them; export with opset 11 or later")
+    value = _input_const(b, n, 2, "the constant value")
+    fill = 0.0 if value is None or value.size == 0 else float(value.reshape(-1)[0])
+    axes = _ints(_input_const(b, n, 3, "the axes"))
+    rank = b.rank(n.inputs[0])
+    if rank is None:
+        rank = _rank(b, n, "Pad with axes") if axes is not None else len(pads) // 2
+    axes = list(range(rank)) if axes is None else [a % rank for a in axes]
+    if len(pads) != 2 * len(axes):
+        raise ModelError(f"{b.where(n)}: {len(pads)} pads for {len(axes)} axes; ONNX wants a start and an end for each")
+    before = dict(zip(axes, pads))
+    after = dict(zip(axes, pads[len(axes):]))
+    padded = [a for a in range(rank) if before.get(a, 0) or after.get(a, 0)]
+    x = _tensor(b, n, n.inputs[0])
+    if not padded:
+        return x
+    # F.pad's pairs run from the last axis back to the first padded one
+    flat = [p for a in range(rank - 1, padded[0] - 1, -1) for p in (before.get(a, 0), after.get(a, 0))]
+    return b.function(torch.nn.functional.pad, x, tuple(flat), value=fill)
+
+
+def _split(b: _Builder, n: Node) -> List[fx.Node]:
+    """Split: one torch.split, and one getitem per output. Sizes from the
+    constant input (opset 13+) or the attribute, else equal parts, the last
+    one smaller (opset 18), of an axis the graph fixes."""
+    axis = int(n.attrs.get("axis", 0))
+    axis = axis if axis >= 0 else axis + _rank(b, n, "a negative axis")
+    sizes = _ints(_input_const(b, n, 1, "the split sizes"))
+    if sizes is None and "split" in n.attrs:
+        sizes = [int(v) for v in n.attrs["split"]]
+    dims = b.program.shapes.get(n.inputs[0], ())
+    size = dims[axis] if axis < len(dims) and isinstance(dims[axis], int) else None
+    if sizes is None:
+        part = -(-_dim(b, n, axis, "a split into equal parts") // len(n.outputs))
+        sizes = [min(part, size - i * part) for i in range(len(n.outputs))]
+    if len(sizes) != len(n.outputs) or min(sizes) < 0 or size is not None and sum(sizes) != size:
+        raise ModelError(f"{b.where(n)}: sizes {sizes} do not split axis {axis} (size {size}) into "
+                         f"{len(n.outputs)} outputs")
+    parts = b.function(torch.split, _tensor(b, n, n.inputs[0]), sizes, axis)
+    return [b.function(operator.getitem, parts, i) for i in range(len(sizes))]
+
+
+def _gather(b: _Builder, n: Node) -> fx.Node:
+    """Gather of a tensor by constant indices: x[..., indices, ...] at the
+    axis (negative indices count from the end); a scalar index drops it."""
+    idx = _input_const(b, n, 1, "the indices")
+    if idx is None:
+        raise ModelError(f"{b.where(n)}: Gather without indices")
+    axis = int(n.attrs.get("axis", 0))
+    axis = axis if axis >= 0 else axis + _rank(b, n, "a negative axis")
+    key = int(idx) if idx.ndim == 0 else b.buffer(n, "indices", idx.astype(np.int64))
+    return b.function(operator.getitem, b.value(n.inputs[0]), (slice(None),) * axis + (key,))
+
+
+def _cast(b: _Builder, n: Node) -> fx.Node:
+    """Cast of a tensor to a float type: the tensor as it is (float32), as
+    the runner keeps its float type. (Casts of shape values: _shape_op.)"""
+    from onnx import helper
+
+    target = np.dtype(helper.tensor_dtype_to_np_dtype(int(n.attrs["to"])))
+    if target.kind != "f":
+        raise ModelError(f"{b.where(n)}: a Cast of a tensor to {target} does not convert (casts to a float type and "
+                         "casts of shape values do)")
+    return b.value(n.inputs[0])
+
+
+def _reduce(b: _Builder, n: Node) -> fx.Node:
+    """ReduceSum / ReduceMax: axes from the attribute or a constant input;
+    none means every axis, or none at all with noop_with_empty_axes."""
+    axes, x = _axes(b, n), _tensor(b, n, n.inputs[0])
+    if not axes:
+        if int(n.attrs.get("noop_with_empty_axes", 0)):
+            return x
+        axes = list(range(_rank(b, n, f"{n.op} over every axis")))
+    fn = torch.sum if n.op == "ReduceSum" else torch.amax
+    return b.function(fn, x, tuple(axes), keepdim=bool(int(n.attrs.get("keepdims", 1))))
+
+
+def depth_to_space_dcr(x: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """ONNX DepthToSpace, DCR mode: channel (i * bs + j) * C + c goes to row i,
+    column j of channel c's blocks. (CRD mode is nn.PixelShuffle.)"""
+    y = x.unflatten(1, (blocksize, blocksize, -1)).permute(0, 3, 4, 1, 5, 2)   # N, C, H, bs, W, bs
+    return y.flatten(4, 5).flatten(2, 3)
+
+
+def space_to_depth(x: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """ONNX SpaceToDepth: row i, column j of each block goes to channel
+    (i * bs + j) * C + c (not nn.PixelUnshuffle's c * bs * bs + i * bs + j)."""
+    y = x.unflatten(3, (-1, blocksize)).unflatten(2, (-1, blocksize)).permute(0, 3, 5, 1, 2, 4)  # N, bs, bs, C, H, W
+    return y.flatten(1, 3)
+
+
+def _depth_to_space(b: _Builder, n: Node) -> fx.Node:
+    blocksize, x = int(n.attrs["blocksize"]), b.value(n.inputs[0])
+    if _text(n.attrs.get("mode"), "DCR") == "CRD":
+        return b.module(n, nn.PixelShuffle(blocksize), x)
+    return b.function(depth_to_space_dcr, x, blocksize)
+
+
+def lerp_axis(x: torch.Tensor, axis: int, lo: torch.Tensor, hi: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One axis of a linear resize from the runner's tables: rows lo and hi mixed by w."""
+    return x.index_select(axis, lo) * (1 - w) + x.index_select(axis, hi) * w
+
+
+def _interpolate_picks(h: int, w: int, scales: Sequence[float], rows: np.ndarray, cols: np.ndarray) -> bool:
+    """Whether F.interpolate(scale_factor=scales[2:], mode="nearest") picks these
+    rows and columns. Its float32 arithmetic (1 / scale, times the output
+    position) can land across a pixel's edge from the runner's float64
+    quotient where the scale is not exact in binary (1.2). Tried on an index
+    ramp."""
+    ramp = torch.arange(h * w, dtype=torch.float64).reshape(1, 1, h, w)
+    got = torch.nn.functional.interpolate(ramp, scale_factor=tuple(scales[2:]), mode="nearest")[0, 0].numpy()
+    want = np.arange(h * w).reshape(h, w)[np.ix_(rows, cols)]
+    return got.shape == want.shape and bool((got == want).all())
+
+
+def _upsample(b: _Builder, n: Node) -> fx.Node:
+    """Upsample (opsets 7-9) as the runner runs it: Resize with asymmetric
+    coordinates, nearest (floor) or linear, along each axis whose scale is
+    not 1, to floor(size * scale). Nearest is F.interpolate where torch picks
+    the same pixels (scales on H and W exact in binary: 2, 1.5), else an
+    index_select per axis; linear is the runner's index and weight tables
+    (lerp_axis): F.interpolate has no asymmetric coordinates."""
+    const = _input_const(b, n, 1, "the scales")
+    if const is None and "scales" not in n.attrs:
+        raise ModelError(f"{b.where(n)}: Upsample needs its scales (the attribute, or a constant input)")
+    scales = [float(s) for s in np.asarray(n.attrs["scales"] if const is None else const, np.float64).reshape(-1)]
+    rank = _rank(b, n, "Upsample")
+    if len(scales) != rank:
+        raise ModelError(f"{b.where(n)}: {len(scales)} scales for an input of rank {rank}")
+    coords = {}  # axis -> (its size, the input coordinate of each output position)
+    for a, s in enumerate(scales):
+        if s != 1.0:
+            size = _dim(b, n, a, f"a scale of {s}")
+            coords[a] = (size, np.arange(int(np.floor(size * s)), dtype=np.float64) / s)
+    x = b.value(n.inputs[0])
+    if _text(n.attrs.get("mode"), "nearest") == "nearest":
+        index = {a: np.clip(np.floor(src), 0, size - 1).astype(np.int64) for a, (size, src) in coords.items()}
+        if index and rank == 4 and set(index) <= {2, 3}:
+            h, w = (_dim(b, n, a, "Upsample") for a in (2, 3))
+            if _interpolate_picks(h, w, scales, index.get(2, np.arange(h)), index.get(3, np.arange(w))):
+                return b.function(torch.nn.functional.interpolate, x, scale_factor=tuple(scales[2:]), mode="nearest")
+        for a, idx in index.items():
+            x = b.graph.call_method("index_select", (x, a, b.buffer(n, f"index{a}", idx)))
+        return x
+    for a, (size, src) in coords.items():
+        lo = np.floor(src)
+        shape = [1] * rank
+        shape[a] = len(src)
+        x = b.function(lerp_axis, x, a, b.buffer(n, f"lo{a}", np.clip(lo, 0, size - 1).astype(np.int64)),
+                       b.buffer(n, f"hi{a}", np.clip(lo + 1, 0, size - 1).astype(np.int64)),
+                       b.buffer(n, f"weight{a}", (src - lo).reshape(shape).astype(np.float32)))
+    return x
+
+
+def _norm_params(b: _Builder, n: Node, names: Sequence[str]) -> List[Optional[np.ndarray]]:
+    """The constant scale (and bias) of a normalization, as float32."""
+    params = [_input_const(b, n, k, f"the {name}") for k, name in enumerate(names, 1)]
+    if params[0] is None:
+        raise ModelError(f"{b.where(n)}: the scale is missing")
+    return [None if p is None else np.asarray(p, np.float32) for p in params]
+
+
+def _instance_norm(b: _Builder, n: Node) -> fx.Node:
+    scale, bias = _norm_params(b, n, ("scale", "bias"))
+    rank = _rank(b, n, "InstanceNormalization")
+    kinds = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}
+    if rank not in kinds or bias is None:
+        raise ModelError(f"{b.where(n)}: only 3-D to 5-D inputs with a scale and a bias convert, got rank {rank}")
+    norm = kinds[rank](scale.size, eps=float(n.attrs.get("epsilon", 1e-5)), affine=True)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor(scale.reshape(-1)))
+        norm.bias.copy_(torch.tensor(bias.reshape(-1)))
+    return b.module(n, norm.eval(), b.value(n.inputs[0]))
+
+
+def _layer_norm(b: _Builder, n: Node) -> fx.Node:
+    """LayerNormalization (opset 17): nn.LayerNorm over the axes from `axis`
+    on, whose sizes the graph must fix; the scale and bias broadcast to them."""
+    rank = _rank(b, n, "LayerNormalization")
+    axis = int(n.attrs.get("axis", -1)) % rank
+    shape = tuple(_dim(b, n, a, "LayerNormalization") for a in range(axis, rank))
+    params = []
+    for p in _norm_params(b, n, ("scale", "bias")):
+        while p is not None and len(shape) < p.ndim <= rank and p.shape[0] == 1:
+            p = p[0]
+        try:
+            params.append(None if p is None else np.broadcast_to(p, shape))
+        except ValueError:
+            raise ModelError(f"{b.where(n)}: a scale or bias of shape {p.shape} does not broadcast to the "
+                             f"normalized shape {shape}") from None
+    norm = nn.LayerNorm(shape, eps=float(n.attrs.get("epsilon", 1e-5)), bias=params[1] is not None)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor(np.array(params[0])))
+        if params[1] is not None:
+            norm.bias.copy_(torch.tensor(np.array(params[1])))
+    return b.module(n, norm.eval(), b.value(n.inputs[0]))
+
+
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
     return lambda b, n: b.function(fn, b.value(n.inputs[0]), b.value(n.inputs[1]))
 
@@ -374,8 +736,9 @@ def _hard_sigmoid(n: Node) -> nn.Module:
     return nn.Hardsigmoid()
 
 
-# ONNX operator -> how it enters the graph.
-CONVERTERS: Dict[str, Callable[[_Builder, Node], fx.Node]] = {
+# ONNX operator -> how it enters the graph: the fx value of the node's output,
+# or a list of them, one per output (Split).
+CONVERTERS: Dict[str, Callable[[_Builder, Node], Any]] = {
     "Conv": _conv,
     "ConvTranspose": _conv_transpose,
     "ReduceMean": _reduce_mean,
@@ -404,6 +767,37 @@ CONVERTERS: Dict[str, Callable[[_Builder, Node], fx.Node]] = {
     "Softmax": lambda b, n: b.function(torch.softmax, b.value(n.inputs[0]), int(n.attrs.get("axis", -1))),
     "Dropout": lambda b, n: b.value(n.inputs[0]),    # inference: identity
     "Identity": lambda b, n: b.value(n.inputs[0]),
+    "Shape": _shape_op,   # and Gather / Unsqueeze / Slice / Concat / Cast where they compute on shapes
+    "Abs": _unary(torch.abs),
+    "Neg": _unary(torch.neg),
+    "Exp": _unary(torch.exp),
+    "Sqrt": _unary(torch.sqrt),
+    "Reciprocal": _unary(torch.reciprocal),
+    "Floor": _unary(torch.floor),
+    "Ceil": _unary(torch.ceil),
+    "Erf": _unary(torch.erf),
+    "Pow": _binary(torch.pow),
+    "Max": _variadic(torch.maximum),
+    "Min": _variadic(torch.minimum),
+    "Elu": _modular(lambda n: nn.ELU(float(n.attrs.get("alpha", 1.0)))),
+    "Softplus": _modular(lambda n: nn.Softplus()),   # linear above 20, where log(1 + e^x) rounds to x in float32
+    "Gelu": _modular(_gelu),
+    "PRelu": _prelu,
+    "Transpose": _transpose,
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Slice": _slice,
+    "Pad": _pad,
+    "Split": _split,
+    "Gather": _gather,
+    "Cast": _cast,
+    "ReduceSum": _reduce,
+    "ReduceMax": _reduce,
+    "DepthToSpace": _depth_to_space,
+    "SpaceToDepth": lambda b, n: b.function(space_to_depth, b.value(n.inputs[0]), int(n.attrs["blocksize"])),
+    "Upsample": _upsample,
+    "InstanceNormalization": _instance_norm,
+    "LayerNormalization": _layer_norm,
 }
 
 
@@ -421,9 +815,13 @@ def onnx_to_torch(path: Path, input_size: Optional[Tuple[int, int]] = None) -> T
             raise ModelError(f"{program.path}: node {n.name} has operator {n.op}, which the ONNX -> torch conversion "
                              "does not cover (onnx_torch.CONVERTERS lists what it does); `sparseconv run` runs the "
                              "model on the ONNX runner instead")
-        if len(n.outputs) > 1 and any(n.outputs[1:]) and n.op != "Dropout":
+        if len(n.outputs) > 1 and any(n.outputs[1:]) and n.op not in ("Dropout", "Split"):
             raise ModelError(f"{builder.where(n)}: only its first output converts")
-        builder.values[n.outputs[0]] = convert(builder, n)
+        out = convert(builder, n)
+        if isinstance(out, list):   # one value per output
+            builder.values.update(zip(n.outputs, out))
+        else:
+            builder.values[n.outputs[0]] = out
     outputs = [builder.value(o) for o in program.output_names]
     builder.graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
     module = fx.GraphModule(builder.root, builder.graph, class_name=re.sub(r"\W", "_", program.path.stem) or "Onnx")

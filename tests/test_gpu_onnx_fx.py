@@ -79,7 +79,8 @@ def test_auto_takes_fx_where_the_conversion_takes_the_model(session_cache_dir):
 
 
 def test_auto_runs_a_model_the_conversion_refuses_on_the_runner_and_says_why(tmp_path):
-    """Abs has no converter (onnx_torch.CONVERTERS) but the runner runs it."""
+    """A Slice backwards along the batch axis: the conversion needs the axis'
+    size, which the file leaves free, but the runner slices at run time."""
     pytest.importorskip("torch")
     from onnx import helper
     from onnx_models import save_model
@@ -89,11 +90,15 @@ def test_auto_runs_a_model_the_conversion_refuses_on_the_runner_and_says_why(tmp
     from sparseconv.testing import pruned_weight
 
     rng = np.random.default_rng(5)
-    path = save_model(tmp_path / "abs.onnx", [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
-                                               helper.make_node("Abs", ["c"], ["out"], name="abs")],
-                      {"w": pruned_weight(rng, (8, 4, 3, 3), 0.8)}, ["N", 4, 10, 10])
+    back = {"s": np.array([-1], np.int64), "e": np.array([np.iinfo(np.int64).min], np.int64),
+            "a": np.array([0], np.int64), "st": np.array([-1], np.int64)}
+    path = save_model(tmp_path / "back.onnx", [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1] * 4),
+                                                helper.make_node("Slice", ["c", "s", "e", "a", "st"], ["out"],
+                                                                 name="backwards")],
+                      {"w": pruned_weight(rng, (8, 4, 3, 3), 0.8), **back}, ["N", 4, 10, 10])
     model = compile_model(path, cache_dir=str(tmp_path / "cache"), route_batches=None)
-    assert model.front_end == "runner" and "node abs has operator Abs" in model.front_end_note, model.front_end_note
+    assert model.front_end == "runner" and "node backwards (Slice): a negative step needs the size of axis 0" in \
+        model.front_end_note, model.front_end_note
     x = rng.standard_normal((3, 4, 10, 10)).astype(np.float32)
     assert relative_l2(model(x).get(), run_reference(load_program(path), x)[0]) <= 1e-5
 
