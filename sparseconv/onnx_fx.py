@@ -62,10 +62,8 @@ class FxOnnxModel:
 
     @property
     def graph_notes(self) -> Dict[Tuple[int, ...], str]:
-        """Each input shape captured as a CUDA graph (cuda_graph=True)."""
-        if not isinstance(self.module, CudaGraphModule):
-            return {}
-        return {tuple(shape): "captured" for shape in self.module.captured_shapes()}
+        """Each input shape met so far with cuda_graph=True: "captured", or why it runs eagerly."""
+        return dict(self.module.graph_notes) if isinstance(self.module, CudaGraphModule) else {}
 
     def _input(self, x: Any) -> torch.Tensor:
         """x (CuPy, float32 on the current device) as a torch tensor, zero copy,
@@ -85,20 +83,23 @@ class FxOnnxModel:
         import cupy
 
         x = cupy.asarray(x, dtype=cupy.float32)  # a host input is uploaded here
-        if not isinstance(self.module, CudaGraphModule):
-            with torch.no_grad():
-                y = self.module(self._input(x))
-            outputs = list(y) if isinstance(y, (tuple, list)) else [y]
-            return [cupy.from_dlpack(t.contiguous()) for t in outputs]  # CuPy's stream waits for torch's
         # The graph is replayed from CuPy's side, as SparseModel replays its own: CuPy views of the static
         # buffers made once per shape, so a call costs one copy in, the replay and the copies out (the
         # DLPack exchanges and the module call cost ~16 us a call at batch 1, bench/front_end_ab.py).
-        views = self._views.get(x.shape)
+        views = self._views.get(x.shape) if isinstance(self.module, CudaGraphModule) else None
+        if views is None and isinstance(self.module, CudaGraphModule):
+            with torch.no_grad():
+                entry = self.module.graph_for(self._input(x))  # None where its capture failed (graph_notes)
+            if entry is not None:
+                graph, static_in, static_out = entry
+                outs = list(static_out) if isinstance(static_out, (tuple, list)) else [static_out]
+                views = self._views[x.shape] = (graph, cupy.from_dlpack(static_in),
+                                                [cupy.from_dlpack(t) for t in outs])
         if views is None:
             with torch.no_grad():
-                graph, static_in, static_out = self.module.graph_for(self._input(x))
-            outs = list(static_out) if isinstance(static_out, (tuple, list)) else [static_out]
-            views = self._views[x.shape] = (graph, cupy.from_dlpack(static_in), [cupy.from_dlpack(t) for t in outs])
+                y = self.module(self._input(x))  # a CudaGraphModule runs a shape it could not capture eagerly
+            outputs = list(y) if isinstance(y, (tuple, list)) else [y]
+            return [cupy.from_dlpack(t.contiguous()) for t in outputs]  # CuPy's stream waits for torch's
         graph, static_in, outs = views
         cupy.copyto(static_in, x)
         self._replay(graph, cupy.cuda.get_current_stream().ptr, static_in.device.id)

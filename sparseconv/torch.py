@@ -18,8 +18,10 @@ only: the kernels have no backward, so an input that requires grad is refused.
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -49,12 +51,19 @@ class CudaGraphModule(nn.Module):
     caller keeping y from one call would otherwise see it overwritten by the
     next replay, silently. For a network's output (logits, a feature map) the
     clone is one small device copy inside the same stream order.
-    CPU inputs run `module` directly (no graph)."""
+    A shape whose forward synchronizes with the host through torch (.item(),
+    .cpu(), nonzero: no capture can hold it) is found in the warm-up, before
+    any capture, and runs `module` eagerly from then on, as the ONNX runner's
+    SparseModel does; `graph_notes` says which happened for each shape, and
+    why. A capture that fails otherwise raises. CPU inputs run `module`
+    directly (no graph)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
-        self._graphs: Dict[Tuple[Any, ...], Tuple[Any, torch.Tensor, Any]] = {}
+        # (shape, dtype, device) -> (graph, static input, static output), or None where it runs eagerly
+        self._graphs: Dict[Tuple[Any, ...], Optional[Tuple[Any, torch.Tensor, Any]]] = {}
+        self.graph_notes: Dict[Tuple[int, ...], str] = {}  # input shape -> "captured" or why it runs eagerly
 
     def forward(self, x: torch.Tensor) -> Any:
         if not x.is_cuda:
@@ -63,40 +72,83 @@ class CudaGraphModule(nn.Module):
             raise RuntimeError("the CUDA-graph model is inference-only; call it under torch.no_grad()")
         # Host time here is part of every forward (docs/PERFORMANCE.md, session 26, run bh): one
         # dict lookup, the torch.Size as it is (a tuple), no tree walk for a single-tensor output.
-        graph, static_in, static_out = self.graph_for(x)
+        entry = self.graph_for(x)
+        if entry is None:
+            return self.module(x)
+        graph, static_in, static_out = entry
         static_in.copy_(x)
         graph.replay()
         if isinstance(static_out, torch.Tensor):
             return static_out.clone()
         return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, static_out)
 
-    def graph_for(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor, Any]:
+    def graph_for(self, x: torch.Tensor) -> Optional[Tuple[Any, torch.Tensor, Any]]:
         """(graph, static input, static output) of x's shape, captured now if
-        new: for a caller that copies in and out itself (onnx_fx.FxOnnxModel,
-        from CuPy arrays)."""
+        new, or None where that shape runs eagerly (graph_notes says why): for
+        a caller that copies in and out itself (onnx_fx.FxOnnxModel, from
+        CuPy arrays)."""
         key = (x.shape, x.dtype, x.device)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._capture(x)
-        return entry
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(x)
+        return self._graphs[key]
 
-    def _capture(self, x: torch.Tensor) -> Tuple[Any, torch.Tensor, Any]:
+    def _capture(self, x: torch.Tensor) -> Optional[Tuple[Any, torch.Tensor, Any]]:
         static_in = x.detach().clone()
+        shape = tuple(x.shape)
+        caller = torch.cuda.current_stream(x.device)
         side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        side.wait_stream(caller)
         # Warm-up on a side stream, as torch's docs ask before a capture (lazy
-        # inits, cuDNN heuristics, autotuning all happen outside the graph).
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(3):
-                self.module(static_in)
-        torch.cuda.current_stream(x.device).wait_stream(side)
+        # inits, cuDNN heuristics, autotuning all happen outside the graph). The
+        # last run refuses host syncs (.item(), .cpu(), nonzero): a forward that
+        # makes one cannot be captured, and finding it here, before any capture
+        # begins, leaves torch's state as it was.
+        try:
+            with torch.no_grad(), torch.cuda.stream(side):
+                for _ in range(2):
+                    self.module(static_in)
+                with _host_syncs_refused():
+                    self.module(static_in)
+        except RuntimeError as exc:
+            caller.wait_stream(side)
+            if "synchronizing" not in str(exc):
+                raise
+            self.graph_notes[shape] = f"not captured, runs eagerly: it synchronizes with the host ({_first_error(exc)})"
+            return None
+        caller.wait_stream(side)
+        # A capture that fails past that check (a sync torch does not see, CuPy's say) raises: torch.cuda.graph
+        # ending one half way leaves its stream current, its pool open and the RNG flagged as capturing, and
+        # putting those back by hand through torch's private calls aborted the process later (session 32).
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
             static_out = self.module(static_in)
+        self.graph_notes[shape] = "captured"
         return graph, static_in, static_out
 
     def captured_shapes(self) -> List[Tuple[int, ...]]:
-        return [tuple(k[0]) for k in self._graphs]
+        return [tuple(k[0]) for k, entry in self._graphs.items() if entry is not None]
+
+
+@contextlib.contextmanager
+def _host_syncs_refused() -> Iterator[None]:
+    """torch raises on an operation that synchronizes with the host, inside."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # on every capture
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _first_error(exc: BaseException) -> str:
+    """The error that started a chain (ending a failed capture raises a second
+    one, "operation failed due to a previous error"), as one line."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:

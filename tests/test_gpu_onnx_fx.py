@@ -70,6 +70,41 @@ def test_exported_families_through_fx_match_onnxruntime_in_a_graph(tmp_path, fam
         assert [p.fused for p in model.plans if p.kind == "conv"] == [("relu",), ("add", "relu"), ("add", "relu"), ()]
 
 
+def test_fx_model_runs_a_shape_whose_capture_fails_eagerly_and_notes_it(session_cache_dir):
+    """As the runner's SparseModel: a shape whose forward syncs with the host
+    is not captured; it runs eagerly, with the right results, and graph_notes
+    says so; other shapes still replay."""
+    import cupy as cp
+    import torch
+
+    from sparseconv import compile_model
+    from sparseconv.onnx_fx import FxOnnxModel
+    from sparseconv.runner import load_program, run_reference
+    from sparseconv.torch import CudaGraphModule
+
+    class SyncsOnLargeBatches(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            if x.shape[0] > 4:
+                y = y + float(x.amax().item() > 1e30)  # adds 0.0, after a host sync no capture can hold
+            return y
+
+    compiled = compile_model(LENET, front_end="fx", cache_dir=str(session_cache_dir), cuda_graph=True,
+                             route_batches=None)
+    model = FxOnnxModel(LENET, CudaGraphModule(SyncsOnLargeBatches(compiled.module.module)), (1, 8, 8), None)
+    program = load_program(LENET)
+    for batch in (3, 9, 3, 9):
+        x = cp.random.default_rng().random((batch, 1, 8, 8), dtype=cp.float32)
+        assert relative_l2(model(x).get(), run_reference(program, x.get())[0]) <= 1e-5
+    notes = model.graph_notes
+    assert notes[(3, 1, 8, 8)] == "captured" and notes[(9, 1, 8, 8)].startswith("not captured, runs eagerly: ")
+    assert any(line.startswith("CUDA graph for input 9x1x8x8: not captured") for line in model.plan), model.plan
+
+
 def test_auto_takes_fx_where_the_conversion_takes_the_model(session_cache_dir):
     pytest.importorskip("torch")
     from sparseconv import compile_model

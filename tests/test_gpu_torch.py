@@ -220,6 +220,34 @@ def test_cuda_graph_module_clones_every_tensor_of_a_nested_output():
     assert graphed.captured_shapes() == [(2, 3, 8, 8)]
 
 
+class _SyncsOnLargeBatches(nn.Module):
+    """On batches over 4, a host sync (.item()) that no capture can hold."""
+
+    def forward(self, x):
+        y = x * 2.0
+        if x.shape[0] > 4:
+            y = y + float(x.amax().item() > 1e30)  # adds 0.0
+        return y
+
+
+def test_cuda_graph_module_runs_a_shape_it_cannot_capture_eagerly_and_says_why():
+    from sparseconv.torch import CudaGraphModule
+
+    graphed = CudaGraphModule(_SyncsOnLargeBatches())
+    default = torch.cuda.current_stream()
+    with torch.no_grad():
+        for batch in (2, 8, 2, 8, 3):  # captured, not captured, replays, eager again, a new shape captures
+            x = torch.randn(batch, 3, 8, 8, device="cuda")
+            torch.testing.assert_close(graphed(x), x * 2.0, rtol=0, atol=0)
+            assert torch.cuda.current_stream() == default
+    assert graphed.captured_shapes() == [(2, 3, 8, 8), (3, 3, 8, 8)]
+    notes = graphed.graph_notes
+    assert notes[(2, 3, 8, 8)] == notes[(3, 3, 8, 8)] == "captured"
+    note = notes[(8, 3, 8, 8)]
+    assert note.startswith("not captured, runs eagerly: it synchronizes with the host (") and "\n" not in note, note
+    assert torch.cuda.get_sync_debug_mode() == 0  # the check is off again
+
+
 def test_full_resnet50_batch2_matches_float64(session_cache_dir):
     import sparseconv.torch as sct
     from sparseconv.zoo_torch import build_network
