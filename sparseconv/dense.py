@@ -4,7 +4,8 @@
   CuPy (`xp`): the dense reference of `sparseconv run --check` and of the
   benchmark's baselines.
 * dense_conv2d: cuDNN through torch in strict fp32 (TF32 off), the path
-  backend="auto" falls back to.
+  backend="auto" falls back to; torch_matmul_into: cuBLAS through torch in
+  strict fp32, the ONNX runner's matrix products.
 * fold_batchnorm / epilogue_reference: the numbers of BN folding and of a
   fused epilogue, shared by the torch.fx and the ONNX front ends.
 """
@@ -95,14 +96,28 @@ def torch_flags(torch: Any, tf32: bool, cudnn_benchmark: bool) -> Iterator[None]
             flags[0].allow_tf32, flags[1].allow_tf32, flags[0].benchmark = saved
 
 
-def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape) -> Optional[Callable[..., Any]]:
-    """f(x_cupy, out_cupy): cuDNN strict fp32 through torch on CuPy's current
-    stream, or None when torch (with CUDA) is not installed."""
+def torch_with_cuda() -> Any:
+    """torch, where it is installed with CUDA; else None."""
     try:
         import torch
     except ImportError:
         return None
-    if not torch.cuda.is_available():
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_stream(torch: Any, dev: Any) -> Any:
+    """torch's view of CuPy's current stream (a capture's stream included)."""
+    import cupy
+
+    ptr = cupy.cuda.get_current_stream().ptr
+    return torch.cuda.default_stream(dev) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=dev)
+
+
+def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape) -> Optional[Callable[..., Any]]:
+    """f(x_cupy, out_cupy): cuDNN strict fp32 through torch on CuPy's current
+    stream, or None when torch (with CUDA) is not installed."""
+    torch = torch_with_cuda()
+    if torch is None:
         return None
     import cupy
 
@@ -112,12 +127,29 @@ def dense_conv2d(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShap
     b = None if bias is None else torch.from_numpy(np.array(bias, np.float32)).to(dev)
 
     def run(x: Any, out: Any) -> None:
-        ptr = cupy.cuda.get_current_stream().ptr
-        stream = torch.cuda.default_stream(dev) if ptr == 0 else torch.cuda.ExternalStream(ptr, device=dev)
         # TF32 off: exact fp32, like the sparse kernel.
         with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark), \
-                torch.cuda.stream(stream), torch.no_grad():
+                torch.cuda.stream(_torch_stream(torch, dev)), torch.no_grad():
             y = torch.nn.functional.conv2d(torch.from_dlpack(x), w, b, shape.stride, shape.padding,
                                            shape.dilation, shape.groups)
             torch.from_dlpack(out).copy_(y)
     return run
+
+
+def torch_matmul_into(a: Any, b: Any, out: Any) -> bool:
+    """out = a @ b for CuPy float32 arrays (a (..., m, k), b (..., k, n), out
+    of their broadcast shape (..., m, n)) through torch's cuBLAS in strict
+    fp32 on CuPy's current stream; False, with nothing done, where torch with
+    CUDA is missing. Inside a CUDA-graph capture CuPy refuses cuBLAS, and the
+    runner's own small kernel (onnx_ops.matmul) took VGG-16's dense
+    classifier at batch 64 ~3.4 ms more than cuBLAS (docs/PERFORMANCE.md,
+    session 32). Whatever torch allocates in a capture (cuBLAS's workspace)
+    must go to a pool of the graph's own (runner.SparseModel._torch_pool)."""
+    torch = torch_with_cuda()
+    if torch is None:
+        return False
+    dev = torch.device("cuda", out.device.id)
+    with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark), \
+            torch.cuda.stream(_torch_stream(torch, dev)), torch.no_grad():
+        torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b), out=torch.from_dlpack(out))
+    return True

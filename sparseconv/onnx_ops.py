@@ -17,13 +17,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .dense import torch_matmul_into, torch_with_cuda
+
 
 def host(a: Any) -> np.ndarray:
     """An array on the host (CuPy arrays are copied back)."""
     return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
-# fp32 matrix product for a CUDA-graph capture, where CuPy refuses cuBLAS:
+# fp32 matrix product for a CUDA-graph capture without torch (CuPy refuses cuBLAS there):
 # 16x16 output tiles per block, the K axis staged through shared memory,
 # batch on blockIdx.z. Each output sums its K products in order with fmaf.
 _MATMUL_SOURCE = r"""
@@ -49,16 +51,19 @@ _matmul_kernel: Any = None
 
 
 def matmul(xp: Any, a: Any, b: Any) -> Any:
-    """a @ b with NumPy semantics. On the GPU while a CUDA graph is being
-    captured (CuPy does not allow cuBLAS then), float32 operands go through
-    a small kernel of our own; otherwise xp's matmul (cuBLAS)."""
+    """a @ b with NumPy semantics. On the GPU, float32 operands go through
+    torch's cuBLAS in strict fp32 where torch has CUDA (dense.torch_matmul_into;
+    eagerly too, so that its cuBLAS handle exists before any capture); else
+    through xp's matmul (cuBLAS) or, while a CUDA graph is being captured
+    (CuPy does not allow cuBLAS then), a small kernel of our own."""
     global _matmul_kernel
-    if xp is np or not hasattr(xp, "cuda"):
+    if xp is np or not hasattr(xp, "cuda") or a.dtype != np.float32 or b.dtype != np.float32:
         return xp.matmul(a, b)
-    if _matmul_kernel is None:  # compiled and loaded on the first (eager) GPU call, never inside a capture
-        _matmul_kernel = xp.RawKernel(_MATMUL_SOURCE, "sc_matmul")
-        _matmul_kernel.compile()
-    if not xp.cuda.get_current_stream().is_capturing() or a.dtype != np.float32 or b.dtype != np.float32:
+    through_torch = torch_with_cuda() is not None
+    if not through_torch and not xp.cuda.get_current_stream().is_capturing():
+        if _matmul_kernel is None:  # compiled and loaded on the first (eager) GPU call, never inside a capture
+            _matmul_kernel = xp.RawKernel(_MATMUL_SOURCE, "sc_matmul")
+            _matmul_kernel.compile()
         return xp.matmul(a, b)
     a2 = a.reshape(1, -1) if a.ndim == 1 else a
     b2 = b.reshape(-1, 1) if b.ndim == 1 else b
@@ -66,13 +71,15 @@ def matmul(xp: Any, a: Any, b: Any) -> Any:
     m, k, n = a2.shape[-2], a2.shape[-1], b2.shape[-1]
     if b2.shape[-2] != k:
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align")
-    count = int(np.prod(batch, dtype=np.int64))
-    aa = xp.ascontiguousarray(xp.broadcast_to(a2, batch + (m, k))).reshape(count, m, k)
-    bb = xp.ascontiguousarray(xp.broadcast_to(b2, batch + (k, n))).reshape(count, k, n)
-    out = xp.empty((count, m, n), dtype=xp.float32)
-    _matmul_kernel(((n + 15) // 16, (m + 15) // 16, count), (16, 16, 1), (aa, bb, out, np.int32(m), np.int32(n),
-                                                                         np.int32(k)))
-    out = out.reshape(batch + (m, n))
+    out = xp.empty(batch + (m, n), dtype=xp.float32)
+    if through_torch:
+        torch_matmul_into(a2, b2, out)
+    else:
+        count = int(np.prod(batch, dtype=np.int64))
+        aa = xp.ascontiguousarray(xp.broadcast_to(a2, batch + (m, k))).reshape(count, m, k)
+        bb = xp.ascontiguousarray(xp.broadcast_to(b2, batch + (k, n))).reshape(count, k, n)
+        _matmul_kernel(((n + 15) // 16, (m + 15) // 16, count), (16, 16, 1),
+                       (aa, bb, out.reshape(count, m, n), np.int32(m), np.int32(n), np.int32(k)))
     if a.ndim == 1:
         out = out[..., 0, :]
     if b.ndim == 1:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import onnx_ops as ops
-from .dense import conv2d_im2col, epilogue_reference
+from .dense import conv2d_im2col, epilogue_reference, torch_with_cuda
 from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, linear_sparse_gemv, sparse_gemv_takes,
                    sparse_rows)
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
@@ -113,11 +113,11 @@ class OnnxProgram:
                              f"{(backends or {}).get(node.name, 'sparseconv')}")
             elif node.name in self.dense_linears:
                 gemv = self.gemv_layers.get(node.name)
-                how = "dense (CuPy matmul)" if gemv is None else \
-                    f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()}, else CuPy matmul)"
+                how = "dense (matmul)" if gemv is None else \
+                    f"{'not compiled' if gemv.sparse else 'dense'} ({gemv.describe()}, else matmul)"
                 lines.append(f"{node.name}: {node.op}, {how}: {self.dense_linears[node.name]}")
             elif node.op == "ConvTranspose":
-                lines.append(f"{node.name}: ConvTranspose, dense (CuPy matmuls; not a sparseconv kernel)")
+                lines.append(f"{node.name}: ConvTranspose, dense (matmuls; not a sparseconv kernel)")
         return lines
 
 
@@ -692,11 +692,13 @@ class SparseModel:
         return CapturedForward(graph, static_in, tuple(outputs), tuple(held) + torch_held)
 
     def _torch_pool(self, batch: int) -> Tuple[Any, Tuple[Any, ...]]:
-        """Where a layer runs through cuDNN at this batch size, torch allocates
-        (conv outputs, cuDNN workspace) while the graph is captured; those
+        """Where a layer runs through cuDNN at this batch size, or a matrix
+        product through torch's cuBLAS (onnx_ops.matmul), torch allocates
+        (conv outputs, cuDNN or cuBLAS workspace) while the graph is captured; those
         allocations go to a MemPool of the graph's own, so torch never hands
         that memory to anyone else while the graph may replay. (context, held)."""
-        if not any(self.kernel(name, batch).backend == DENSE for name in self.kernels):
+        matmuls = torch_with_cuda() is not None and any(n.op in ("Gemm", "MatMul") for n in self.program.nodes)
+        if not matmuls and not any(self.kernel(name, batch).backend == DENSE for name in self.kernels):
             return contextlib.nullcontext(), ()
         import cupy
         import torch
