@@ -59,6 +59,18 @@ class FrontEnd:
     trace_error: str = ""
 
 
+def linear_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ weight.T + bias, as F.linear, but for a 2-D CUDA x as a plain GEMM
+    and a separate bias add: in strict fp32, F.linear's cuBLASLt GEMM with the
+    bias in its epilogue took 1.4-4.2x as long on VGG-16's and ResNet-50's
+    classifiers at batch 16 and 64 (VGG-16's fc6 at 64: 553 against 299 us;
+    bench/dense_linear_probe.py, H100, session 32)."""
+    if not x.is_cuda or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    y = torch.mm(x, weight.t())
+    return y if bias is None else y.add_(bias)
+
+
 def act_forward(y: torch.Tensor, activation: str, clip: Optional[Tuple[float, float]]) -> torch.Tensor:
     if activation == "relu":
         return torch.relu(y)
@@ -211,9 +223,9 @@ class FusedLinear(_KernelNode):
 
     With a compiled kernel attached (`.kernel`, a sparseconv LinearKernel set
     by sparseconv.torch.sparsify) and a CUDA input, the kernel computes it;
-    otherwise torch does (F.linear, activation), in the input's dtype: the
+    otherwise torch does (linear_gemm, activation), in the input's dtype: the
     reference path CPU tests compare against. `route` as FusedConv2d's:
-    "dense" runs F.linear in strict fp32 (cuBLAS, TF32 off)."""
+    "dense" runs linear_gemm in strict fp32 (cuBLAS, TF32 off)."""
 
     residual = False  # the epilogue of a Linear layer: bias and activation only
 
@@ -228,7 +240,7 @@ class FusedLinear(_KernelNode):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The chain in torch, in x's dtype."""
         b = None if self.bias is None else self.bias.to(x.dtype)
-        return act_forward(F.linear(x, self.weight.to(x.dtype), b), self.activation, self.clip)
+        return act_forward(linear_gemm(x, self.weight.to(x.dtype), b), self.activation, self.clip)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if residual is not None:  # FusedConv2d's signature, so callers can treat both alike
@@ -336,7 +348,7 @@ class GemvLinear(nn.Module):
     calls on (N, in_features) inputs with N <= MAX_GEMV_BATCH run
     sparseconv.gemv's kernel: the weights streamed once, exact fp32 sums in a
     fixed order. Other calls (CPU, other dtypes or ranks, larger batches,
-    autograd) run F.linear."""
+    autograd) run linear_gemm (cuBLAS)."""
 
     def __init__(self, linear: nn.Linear, name: str) -> None:
         super().__init__()
@@ -358,7 +370,7 @@ class GemvLinear(nn.Module):
             x = x.contiguous()
             ours = gemv_supported(x.shape[0], self.in_features, x.data_ptr(), w.data_ptr())
         if not ours:
-            return F.linear(x, w, self.bias)
+            return linear_gemm(x, w, self.bias)
         import cupy
 
         from . import runtime
@@ -384,7 +396,7 @@ class SparseGemvLinear(nn.Module):
     weights are read, as (column, value) entries, exact fp32 sums in a fixed
     order. The entries are taken when the module is made, as a compiled
     layer's weights are; other calls (CPU, other dtypes or ranks, larger
-    batches, autograd) run F.linear on the same weight and bias parameters."""
+    batches, autograd) run linear_gemm (cuBLAS) on the same weight and bias parameters."""
 
     def __init__(self, linear: nn.Linear, name: str) -> None:
         super().__init__()
@@ -407,7 +419,7 @@ class SparseGemvLinear(nn.Module):
             and self.entries.device == bias.device == x.device \
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         if not ours:
-            return F.linear(x, self.weight, self.bias)
+            return linear_gemm(x, self.weight, self.bias)
         import cupy
 
         from . import runtime

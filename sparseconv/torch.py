@@ -171,7 +171,7 @@ def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[
 def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.device,
                    progress: bool = False, table: bool = True) -> Dict[str, str]:
     """Time each compiled conv (FusedConv2d) or Linear (FusedLinear; the dense
-    path is cuBLAS's F.linear) at each batch size through both paths, its
+    path is cuBLAS through fx.linear_gemm) at each batch size through both paths, its
     sparseconv kernel and cuDNN in strict fp32, epilogue included, by CUDA-graph
     replays, and a conv at batches up to MAX_TABLE_BATCH also through the
     weight table (sparseconv.table; `table` False: not); set its route so each
@@ -234,7 +234,7 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
         m.route, m.route_choice = list(choice.route), choice
         if all(path != "table" for _, path in m.route):
             m.table = None
-        # the dense path of a Linear is cuBLAS's F.linear, not cuDNN
+        # the dense path of a Linear is cuBLAS (fx.linear_gemm), not cuDNN
         notes[name] = choice.describe().replace("cuDNN", "cuBLAS").replace("table", "sparse gemv") \
             if isinstance(m, FusedLinear) else choice.describe()
     line.close()

@@ -184,3 +184,24 @@ def test_runner_streams_pruned_heads_it_does_not_compile_through_the_sparse_gemv
         assert set(sparse.graph_notes.values()) == {"captured"}, sparse.graph_notes
     assert sorted(sparse._gemv_arrays) == ["head1", "head2", "head3"]
     assert all(len(arrays) == 3 for arrays in sparse._gemv_arrays.values())  # entries, row starts, bias
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_gemm_computes_f_linear_on_the_gpu_and_the_cpu(with_bias):
+    """fx.linear_gemm (a plain GEMM and the bias added after it: the dense
+    path of Linear layers above the gemv's batch sizes) against float64, at
+    a batch the gemv does not take, TF32 off."""
+    torch = pytest.importorskip("torch")
+    from sparseconv.dense import torch_flags
+    from sparseconv.fx import linear_gemm
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((24, 300)).astype(np.float32)
+    w = rng.standard_normal((1000, 300)).astype(np.float32)
+    b = rng.standard_normal(1000).astype(np.float32) if with_bias else None
+    ref = _ref(x, w, b, relu=False)
+    with torch_flags(torch, tf32=False, cudnn_benchmark=False):
+        for device in ("cuda", "cpu"):
+            tb = None if b is None else torch.from_numpy(b).to(device)
+            y = linear_gemm(torch.from_numpy(x).to(device), torch.from_numpy(w).to(device), tb)
+            assert y.shape == (24, 1000) and relative_l2(y.cpu().numpy(), ref) <= 1e-6, device
