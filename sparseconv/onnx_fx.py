@@ -89,7 +89,7 @@ class FxOnnxModel:
         views = self._views.get(x.shape) if isinstance(self.module, CudaGraphModule) else None
         if views is None and isinstance(self.module, CudaGraphModule):
             with torch.no_grad():
-                entry = self.module.graph_for(self._input(x))  # None where its capture failed (graph_notes)
+                entry = self.module.graph_for(self._input(x))  # None: runs eagerly (graph_notes says why)
             if entry is not None:
                 graph, static_in, static_out = entry
                 outs = list(static_out) if isinstance(static_out, (tuple, list)) else [static_out]

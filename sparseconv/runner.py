@@ -407,6 +407,10 @@ def linear_layers(parsed: Any) -> Tuple[Dict[str, ConvLayer], Dict[str, str], Di
 
 # --------------------------------------------------------------------------- execution
 
+# Operators that compute through onnx_ops.matmul (torch's cuBLAS where torch has CUDA): a broadcast
+# product allocates a copy inside torch, so a capture of them takes a pool of its own (_torch_pool).
+MATMUL_OPS = ("Gemm", "MatMul", "ConvTranspose")
+
 # Inputs an operator reads on the host (shape values, bounds, scales, fill
 # values), by position; and a Conv's weight and bias, which its kernel holds.
 # A float constant used only here stays NumPy: reading it never waits for the
@@ -697,7 +701,7 @@ class SparseModel:
         (conv outputs, cuDNN or cuBLAS workspace) while the graph is captured; those
         allocations go to a MemPool of the graph's own, so torch never hands
         that memory to anyone else while the graph may replay. (context, held)."""
-        matmuls = torch_with_cuda() is not None and any(n.op in ("Gemm", "MatMul") for n in self.program.nodes)
+        matmuls = torch_with_cuda() is not None and any(n.op in MATMUL_OPS for n in self.program.nodes)
         if not matmuls and not any(self.kernel(name, batch).backend == DENSE for name in self.kernels):
             return contextlib.nullcontext(), ()
         import cupy
