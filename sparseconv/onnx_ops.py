@@ -112,7 +112,7 @@ def check(op: str, attrs: Dict[str, Any]) -> Optional[str]:
         if coord not in _RESIZE_COORDS:
             return f"Resize coordinate_transformation_mode {coord!r} is not supported ({', '.join(_RESIZE_COORDS)} are)"
         if text(attrs.get("nearest_mode"), "round_prefer_floor") not in _NEAREST:
-            return f"Resize nearest_mode {attrs['nearest_mode']!r} is not supported"
+            return f"Resize nearest_mode {text(attrs['nearest_mode'], '')!r} is not supported"
         if int(attrs.get("antialias", 0)):
             return "Resize antialias=1 is not supported"
         if text(attrs.get("keep_aspect_ratio_policy"), "stretch") != "stretch":
@@ -123,11 +123,11 @@ def check(op: str, attrs: Dict[str, Any]) -> Optional[str]:
         if "output_shape" in attrs:
             return "ConvTranspose output_shape is not supported; export with explicit pads and output_padding"
     if op in ("DepthToSpace", "SpaceToDepth") and text(attrs.get("mode"), "DCR") not in ("DCR", "CRD"):
-        return f"{op} mode {attrs['mode']!r} is not an ONNX value"
+        return f"{op} mode {text(attrs['mode'], '')!r} is not an ONNX value"
     if op == "Upsample" and text(attrs.get("mode"), "nearest") not in ("nearest", "linear"):
-        return f"Upsample mode {attrs['mode']!r} is not supported (nearest and linear are)"
+        return f"Upsample mode {text(attrs['mode'], '')!r} is not supported (nearest and linear are)"
     if op == "Pad" and text(attrs.get("mode"), "constant") != "constant":
-        return f"Pad mode {attrs['mode']!r} is not supported (constant is)"
+        return f"Pad mode {text(attrs['mode'], '')!r} is not supported (constant is)"
     return None
 
 
