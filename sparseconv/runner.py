@@ -202,6 +202,17 @@ def _binary(fn: Callable[[Any, Any], Any]) -> Callable[..., Any]:
     return op
 
 
+def _divide(a: Any, b: Any) -> Any:
+    """ONNX Div: integer operands (shape arithmetic on the host) truncate
+    toward zero, as the ONNX spec and onnxruntime do, and stay int64 (a true
+    division made them float64, and INT64_MAX bounds overflowed back);
+    float operands divide."""
+    if all(isinstance(v, (np.ndarray, np.integer)) and np.asarray(v).dtype.kind in "iu" for v in (a, b)):
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        return np.abs(a) // np.abs(b) * (np.sign(a) * np.sign(b))
+    return a / b
+
+
 def _clip(xp: Any, n: Node, x: Any, lo: Any = None, hi: Any = None) -> Any:
     """Clip; bounds as inputs (opset 11+) or attributes min/max (older), ReLU6 in exports."""
     lo = n.attrs.get("min", -np.inf) if lo is None else float(lo)
@@ -251,7 +262,7 @@ OPS: Dict[str, Callable[..., Any]] = {
     "Add": _binary(lambda a, b: a + b),
     "Sub": _binary(lambda a, b: a - b),
     "Mul": _binary(lambda a, b: a * b),
-    "Div": _binary(lambda a, b: a / b),
+    "Div": _binary(_divide),
     "BatchNormalization": lambda xp, n, x, s, b, m, v: _batchnorm(xp, x, s, b, m, v,
                                                                   float(n.attrs.get("epsilon", 1e-5))),
     "Softmax": lambda xp, n, x: _softmax(xp, x, int(n.attrs.get("axis", -1))),
