@@ -14,7 +14,8 @@ scales) read here. The graph is read by runner.load_program (the parse
 `sparseconv run` uses), so a model refused there is refused here with the
 same message. What does not convert raises ModelError naming the node: an
 operator outside CONVERTERS, or one whose bounds, pads, axes or indices are
-computed at run time, which `sparseconv run` still runs.
+computed at run time (Slice bounds and Reshape shapes computed from the
+input's shape do convert), which `sparseconv run` still runs.
 
     module, input_shape = onnx_to_torch(Path("model.onnx"))   # input_shape: (C, H, W)
 """
@@ -50,6 +51,39 @@ def gather_ints(shape: Any, indices: Tuple[int, ...]) -> Tuple[Any, ...]:
     return tuple(shape[i] for i in indices)
 
 
+def onnx_int_div(a: Any, b: Any) -> Any:
+    """ONNX Div of integers: the quotient truncated toward zero (C's
+    division); Python's // floors, one less where the signs differ and b does
+    not divide a. A leaf for fx (torch.fx.wrap below), which records the call
+    rather than trace the branch; torch.compile reads the branch off its
+    sizes' ranges (a size's quotient is never negative)."""
+    q = a // b
+    return q + 1 if q < 0 and q * b != a else q
+
+
+fx.wrap("onnx_int_div")
+
+_SHAPE_ARITHMETIC: Dict[str, Callable[[Any, Any], Any]] = {
+    "Add": operator.add, "Sub": operator.sub, "Mul": operator.mul, "Div": onnx_int_div}
+
+
+def shape_arithmetic(op: str, a: Any, b: Any, lengths: Tuple[Optional[int], Optional[int]]) -> Any:
+    """Add / Sub / Mul / Div (_SHAPE_ARITHMETIC) of two integer shape values,
+    element-wise and broadcast as ONNX does: `lengths` gives each operand's
+    length, None for a scalar; a scalar or a 1-entry shape meets an n-entry
+    one. Entries are read by index, never by iterating, so fx traces through
+    a shape it holds as one value (x.size())."""
+    fn = onnx_int_div if op == "Div" else _SHAPE_ARITHMETIC[op]   # the global: fx patches it while tracing
+    if lengths[0] is None and lengths[1] is None:
+        return fn(a, b)
+    n = max(length or 1 for length in lengths)
+
+    def entry(v: Any, length: Optional[int], i: int) -> Any:
+        return v if length is None else v[i if length > 1 else 0]
+
+    return tuple(fn(entry(a, lengths[0], i), entry(b, lengths[1], i)) for i in range(n))
+
+
 def onnx_flatten(x: torch.Tensor, axis: int) -> torch.Tensor:
     """ONNX Flatten (axis >= 0): 2-D, the dimensions before `axis` in the
     first, the rest (or 1) in the second. No branch on the rank, so fx can
@@ -83,6 +117,7 @@ class _Builder:
         # ONNX values that hold a shape or a part of one (Shape -> Gather ->
         # Unsqueeze -> Concat -> Reshape, as exporters write x.view(x.size(0), -1))
         self.shape_values: set = set()
+        self.float_shapes: set = set()    # those cast to a float type: Div on them is not integer division
 
     def where(self, n: Node) -> str:
         return f"{self.program.path}: node {n.name} ({n.op})"
@@ -114,6 +149,16 @@ class _Builder:
         if name in self.shape_values:
             return self.values[name]
         return tuple(int(d) for d in np.asarray(self.constant(name)).reshape(-1))
+
+    def shape_length(self, n: Node, name: str) -> Optional[int]:
+        """The number of entries of shape value or int64 constant `name`, an
+        input of node n; None for a scalar."""
+        const = self.constant(name) if name not in self.shape_values else None
+        dims = np.shape(const) if const is not None else self.program.shapes.get(name)
+        if dims is None or len(dims) > 1 or (dims and not isinstance(dims[0], int)):
+            raise ModelError(f"{self.where(n)}: {name} must be a scalar or a 1-D shape of a length shape inference "
+                             f"fixes, got dimensions {dims}")
+        return dims[0] if dims else None
 
     def value(self, name: str) -> fx.Node:
         """The fx node of an ONNX value; a constant becomes a buffer read once."""
@@ -256,9 +301,10 @@ def _reshape(b: _Builder, n: Node) -> fx.Node:
 
 
 def _shape_op(b: _Builder, n: Node) -> Any:
-    """Shape, and Gather / Unsqueeze / Slice / Concat / Cast on shape values: kept as
-    Python ints and tuples in the graph (traced sizes where they depend on the
-    input), so Reshape gets the batch size of each call."""
+    """Shape, and Gather / Unsqueeze / Slice / Concat / Cast / Add / Sub / Mul /
+    Div on shape values: kept as Python ints and tuples in the graph (traced
+    sizes where they depend on the input), so Reshape and Slice get the batch
+    size of each call."""
     if n.op == "Shape":
         size = b.graph.call_method("size", (b.value(n.inputs[0]),))
         start, end = n.attrs.get("start"), n.attrs.get("end")
@@ -289,10 +335,27 @@ def _shape_op(b: _Builder, n: Node) -> Any:
         out = parts[0]
         for part in parts[1:]:
             out = b.function(operator.add, out, part)
-    else:  # Cast: sizes are ints already
+    elif n.op in _SHAPE_ARITHMETIC:  # as exporters write x.size(0) // 2 (torch.chunk, x.view) or x.size(0) - 1
+        a, c = n.inputs[:2]
+        out = b.function(shape_arithmetic, n.op, _scalar_or_shape(b, a), _scalar_or_shape(b, c),
+                         (b.shape_length(n, a), b.shape_length(n, c)))
+    else:  # Cast: sizes are ints already; a float type is remembered, for Div
         out = b.shape_value(n.inputs[0])
+        from onnx import helper
+
+        if np.dtype(helper.tensor_dtype_to_np_dtype(int(n.attrs["to"]))).kind == "f":
+            b.float_shapes.add(n.outputs[0])
+    if n.op != "Cast" and any(i in b.float_shapes for i in n.inputs):
+        b.float_shapes.add(n.outputs[0])
     b.shape_values.add(n.outputs[0])
     return out
+
+
+def _scalar_or_shape(b: _Builder, name: str) -> Any:
+    """An operand of shape arithmetic: a shape value, or an int64 constant
+    as an int (a scalar) or a tuple of ints."""
+    const = b.constant(name) if name not in b.shape_values else None
+    return int(const) if const is not None and np.ndim(const) == 0 else b.shape_value(name)
 
 
 def _on_shapes(n: Node, b: _Builder) -> bool:
@@ -301,7 +364,10 @@ def _on_shapes(n: Node, b: _Builder) -> bool:
         return True
     if n.op in ("Gather", "Unsqueeze", "Cast", "Slice"):
         return n.inputs[0] in b.shape_values
-    return n.op == "Concat" and any(i in b.shape_values for i in n.inputs) and all(b.is_shape(i) for i in n.inputs)
+    shapes = any(i in b.shape_values for i in n.inputs) and all(b.is_shape(i) for i in n.inputs)
+    if n.op in _SHAPE_ARITHMETIC:   # integer arithmetic only: a float Div is no integer division
+        return shapes and not any(i in b.float_shapes for i in n.inputs)
+    return n.op == "Concat" and shapes
 
 
 def _conv_transpose(b: _Builder, n: Node) -> fx.Node:
@@ -483,11 +549,29 @@ def _unsqueeze(b: _Builder, n: Node) -> fx.Node:
 _BIG = 1 << 62  # ONNX's "to the end" bounds are INT64_MAX / INT64_MIN; clamped as the runner does
 
 
+def _bounds(b: _Builder, n: Node, k: int, what: str) -> Optional[List[Any]]:
+    """Slice's starts or ends (input k): constant ints, or the entries of an
+    integer shape value as traced ints (torch.chunk and x[:x.size(0) - 1]
+    export so); None where absent."""
+    name = n.inputs[k] if len(n.inputs) > k else ""
+    if name in b.shape_values and name not in b.float_shapes:
+        length = b.shape_length(n, name)
+        if length is None:
+            raise ModelError(f"{b.where(n)}: {what} ({name}) must be 1-D, not a scalar")
+        return [b.function(operator.getitem, b.shape_value(name), i) for i in range(length)]
+    if name and b.constant(name) is None:
+        raise ModelError(f"{b.where(n)}: {what} ({name}) must be a constant or computed from the input's shape "
+                         "(Shape and integer arithmetic on it), not computed at run time from values; `sparseconv "
+                         "run` runs such a model on the ONNX runner")
+    return _ints(_input_const(b, n, k, what))
+
+
 def _slice(b: _Builder, n: Node) -> fx.Node:
-    """Slice (opset 10+) with constant bounds, clamped as Python slices are;
-    a negative step flips the axis (its size must be fixed) and slices it
-    forwards, since torch slices only forwards."""
-    starts, ends = _ints(_input_const(b, n, 1, "the starts")), _ints(_input_const(b, n, 2, "the ends"))
+    """Slice (opset 10+) with constant bounds, clamped as Python slices are,
+    or bounds computed from shapes (traced ints in Python slices); a
+    negative step flips the axis (its size and the bounds must be fixed) and
+    slices it forwards, since torch slices only forwards."""
+    starts, ends = _bounds(b, n, 1, "the starts"), _bounds(b, n, 2, "the ends")
     if starts is None or ends is None:
         raise ModelError(f"{b.where(n)}: starts and ends as attributes (opset < 10) do not convert, as the runner "
                          "does not run them; export with opset 10 or later")
@@ -496,10 +580,13 @@ def _slice(b: _Builder, n: Node) -> fx.Node:
     flips = []
     for a, s, e, step in zip(range(len(starts)) if axes is None else axes, starts, ends, steps or [1] * len(starts)):
         a = a if a >= 0 else a + _rank(b, n, "a negative axis")
-        s, e = max(min(s, _BIG), -_BIG), max(min(e, _BIG), -_BIG)
+        s, e = (max(min(v, _BIG), -_BIG) if isinstance(v, int) else v for v in (s, e))
         if step > 0:
             index[a] = slice(s, e, step)
         elif step < 0:
+            if not isinstance(s, int) or not isinstance(e, int):
+                raise ModelError(f"{b.where(n)}: a negative step on axis {a} needs constant bounds, not ones "
+                                 "computed from shapes")
             size = _dim(b, n, a, "a negative step")
             picked = range(*slice(s, e, step).indices(size))  # descending; after the flip, i is at size - 1 - i
             flips.append(a)
@@ -722,7 +809,8 @@ def _layer_norm(b: _Builder, n: Node) -> fx.Node:
 
 
 def _binary(fn: Callable[[Any, Any], Any]) -> Callable[[_Builder, Node], fx.Node]:
-    return lambda b, n: b.function(fn, b.value(n.inputs[0]), b.value(n.inputs[1]))
+    """Add / Sub / Mul / Div / Pow of tensors (of shape values: _shape_op)."""
+    return lambda b, n: b.function(fn, _tensor(b, n, n.inputs[0]), _tensor(b, n, n.inputs[1]))
 
 
 def _modular(make: Callable[[Node], nn.Module]) -> Callable[[_Builder, Node], fx.Node]:
@@ -767,7 +855,7 @@ CONVERTERS: Dict[str, Callable[[_Builder, Node], Any]] = {
     "Softmax": lambda b, n: b.function(torch.softmax, b.value(n.inputs[0]), int(n.attrs.get("axis", -1))),
     "Dropout": lambda b, n: b.value(n.inputs[0]),    # inference: identity
     "Identity": lambda b, n: b.value(n.inputs[0]),
-    "Shape": _shape_op,   # and Gather / Unsqueeze / Slice / Concat / Cast where they compute on shapes
+    "Shape": _shape_op,   # and Gather / Unsqueeze / Slice / Concat / Cast / Add / Sub / Mul / Div on shapes
     "Abs": _unary(torch.abs),
     "Neg": _unary(torch.neg),
     "Exp": _unary(torch.exp),

@@ -367,6 +367,150 @@ def test_upsample_where_torch_would_pick_other_pixels_follows_the_runner(tmp_pat
     np.testing.assert_array_equal(got, want.astype(F32))
 
 
+# --------------------------------------------------------------------------- shape arithmetic
+
+
+def _i64(*values):
+    return np.array(values, np.int64)
+
+
+def _traces_like(module, batches):
+    """sparsify's fx trace goes through the shape arithmetic (Div as a leaf
+    call of its own) and computes what the module does at each batch size."""
+    rng = np.random.default_rng()
+    front = prepare(module, torch.from_numpy(rng.standard_normal((batches[0], C, H, W)).astype(F32)),
+                    linear=LinearOptions())
+    assert front.traced
+    for batch in batches:
+        x = rng.standard_normal((batch, C, H, W)).astype(F32)
+        for got, want in zip(_run(front.module, x), _run(module, x)):
+            np.testing.assert_array_equal(got, want)
+    return front
+
+
+def test_add_sub_mul_div_of_sizes_reshape_by_each_calls_batch(tmp_path):
+    """Shape -> Gather -> Div / Mul / Add / Sub -> Unsqueeze -> Concat ->
+    Reshape, as exporters write x.view(x.size(0) // 2, ...): scalars with
+    scalars, a 1-entry shape with a scalar, n entries with n entries and
+    with one, both operands sizes or one a constant; onnxruntime's results
+    at two batch sizes, and sparsify's trace goes through."""
+    inits = {"zero": _i64(0), "one": _i64(1), "two": np.array(2, np.int64), "three": np.array(3, np.int64),
+             "tail": _i64(2), "end": _i64(4), "pick": _i64(1, 2, 3), "halve_w": _i64(1, 2), "zeros": _i64(0, 0, 0)}
+    nodes = [helper.make_node("Shape", ["c"], ["shp"]),                                  # (N, C, H, W)
+             helper.make_node("Gather", ["shp", "zero"], ["n"], axis=0),                 # [N]: 1 entry
+             helper.make_node("Div", ["n", "tail"], ["half"]),                           # [N / 2]
+             helper.make_node("Gather", ["shp", "one"], ["c1"], axis=0),                 # [C]
+             helper.make_node("Mul", ["c1", "two"], ["c2"]),                             # [2C]: 1 entry by a scalar
+             helper.make_node("Slice", ["shp", "tail", "end"], ["hw"]),                  # [H, W]
+             helper.make_node("Div", ["hw", "halve_w"], ["hw_half"]),                    # [H, W / 2]: n by n
+             helper.make_node("Mul", ["hw_half", "halve_w"], ["hw2"]),                   # [H, W]
+             helper.make_node("Concat", ["half", "c2", "hw2"], ["to_pairs"], axis=0),
+             helper.make_node("Reshape", ["c", "to_pairs"], ["pairs"]),                  # (N / 2, 2C, H, W)
+             helper.make_node("Add", ["half", "half"], ["n_again"]),                     # sizes and sizes
+             helper.make_node("Gather", ["shp", "pick"], ["chw"], axis=0),
+             helper.make_node("Sub", ["chw", "zeros"], ["chw0"]),                        # n and n
+             helper.make_node("Sub", ["chw0", "zero"], ["chw1"]),                        # n and 1
+             helper.make_node("Concat", ["n_again", "chw1"], ["back"], axis=0),
+             helper.make_node("Reshape", ["pairs", "back"], ["undone"]),                 # (N, C, H, W)
+             helper.make_node("Gather", ["shp", "two"], ["h"], axis=0),                  # scalars
+             helper.make_node("Gather", ["shp", "three"], ["w"], axis=0),
+             helper.make_node("Mul", ["h", "w"], ["hw_prod"]),                           # H * W
+             helper.make_node("Unsqueeze", ["hw_prod", "zero"], ["hw_1"]),
+             helper.make_node("Concat", ["n", "c1", "hw_1"], ["flat_shape"], axis=0),
+             helper.make_node("Reshape", ["c", "flat_shape"], ["flat"])]                 # (N, C, H * W)
+    path = _save(tmp_path, nodes, inits, outputs=("pairs", "undone", "flat"))
+    for batch in (2, 6):
+        module = _matches_onnxruntime(path, exact=True, batch=batch)
+    assert "shape_arithmetic" in _targets(module)
+    front = _traces_like(module, (2, 6))
+    assert "onnx_int_div" in _targets(front.module)
+
+
+def test_slice_bounds_computed_from_sizes_divide_toward_zero(tmp_path):
+    """torch.chunk(x, 2) as exported: Slice bounds (N + 1) / 2 * 1 and * 2;
+    then starts (N - 7) / 2 and (N + 1) / -2, negative at batch 2 and 6,
+    where ONNX's integer Div truncates toward zero (floor division would
+    take one more row or column); and bounds on two axes with a step."""
+    inits = {"zero": _i64(0), "one": _i64(1), "two": _i64(2), "seven": _i64(7), "minus_two": _i64(-2),
+             "to_end": _i64(I64_MAX), "ax0": _i64(0), "ax2": _i64(2), "ax3": _i64(3), "ax03": _i64(0, 3),
+             "steps": _i64(1, 2), "one_col": _i64(1)}
+    nodes = [helper.make_node("Shape", ["c"], ["shp"]),
+             helper.make_node("Gather", ["shp", "zero"], ["n"], axis=0),                 # [N]
+             helper.make_node("Add", ["n", "one"], ["n1"]),
+             helper.make_node("Div", ["n1", "two"], ["half"]),
+             helper.make_node("Mul", ["half", "one"], ["mid"]),
+             helper.make_node("Mul", ["half", "two"], ["stop"]),
+             helper.make_node("Slice", ["c", "zero", "mid", "ax0"], ["first"]),
+             helper.make_node("Slice", ["c", "mid", "stop", "ax0"], ["second"]),
+             helper.make_node("Sub", ["first", "second"], ["chunks"]),
+             helper.make_node("Sub", ["n", "seven"], ["n7"]),
+             helper.make_node("Div", ["n7", "two"], ["back_w"]),                         # -2 at N = 2 (floor: -3)
+             helper.make_node("Slice", ["c", "back_w", "to_end", "ax3"], ["cols"]),
+             helper.make_node("Div", ["n1", "minus_two"], ["back_h"]),                   # -3 at N = 6 (floor: -4)
+             helper.make_node("Slice", ["c", "back_h", "to_end", "ax2"], ["rows"]),
+             helper.make_node("Concat", ["half", "one_col"], ["starts"], axis=0),
+             helper.make_node("Concat", ["stop", "to_end"], ["ends"], axis=0),
+             helper.make_node("Slice", ["c", "starts", "ends", "ax03", "steps"], ["two_axes"])]
+    path = _save(tmp_path, nodes, inits, outputs=("chunks", "cols", "rows", "two_axes"))
+    for batch, cols, rows in ((2, 2, 1), (6, W, 3)):
+        module = _matches_onnxruntime(path, exact=True, batch=batch)
+        x = np.random.default_rng().standard_normal((batch, C, H, W)).astype(F32)
+        got = _run(module, x)
+        assert got[0].shape[0] == batch // 2 and got[1].shape[3] == cols and got[2].shape[2] == rows
+        # the runner's host shape arithmetic divides the same way (its Div once made float64 bounds, and the
+        # INT64_MAX end overflowed back to an empty slice)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        want = session.run(None, {session.get_inputs()[0].name: x})
+        for g, w in zip(run_reference(load_program(path), x), want):
+            assert g.shape == w.shape and relative_l2(np.asarray(g), w) <= 1e-6  # float64 against float32
+    _traces_like(module, (2, 6))
+
+
+def _export(net, path):
+    """net exported as users bring it: torch.onnx's TorchScript exporter,
+    opset 17, a dynamic batch axis (as tests/test_onnx_torch.py does)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+        torch.onnx.export(net.eval(), torch.randn(2, C, H, W), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    return path
+
+
+@pytest.mark.parametrize("how,batches", [("chunk", (2, 6)), ("view", (2, 5))])
+def test_an_export_that_halves_the_batch_converts(tmp_path, how, batches):
+    """torch.chunk(y, 2) and y.view(y.size(0) // 2, -1) after a conv, exported
+    with a dynamic batch: the exporter writes Shape -> Gather -> (Add ->) Div
+    on sizes into Slice bounds or a Reshape, which converted to nothing
+    before this shape arithmetic (the Slice's ends, or a Cast of the
+    quotient, were refused); now like onnxruntime at two batch sizes, an odd
+    one for the view (5 // 2)."""
+    from torch import nn
+
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(C, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            if how == "chunk":
+                a, b = torch.chunk(y, 2, dim=0)
+                return a - b
+            return y.view(y.size(0) // 2, -1)
+
+    path = _export(Halves(), tmp_path / f"{how}.onnx")
+    assert {"Shape", "Gather", "Div"} <= {n.op_type for n in onnx.load(str(path)).graph.node}
+    for batch in batches:
+        module = _matches_onnxruntime(path, batch=batch)
+    rng = np.random.default_rng()
+    assert _run(module, rng.standard_normal((batches[1], C, H, W)).astype(F32))[0].shape[0] == batches[1] // 2
+    x = torch.from_numpy(rng.standard_normal((batches[0], C, H, W)).astype(F32))
+    front = prepare(module, x, linear=LinearOptions())
+    assert front.traced and "onnx_int_div" in _targets(front.module)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -377,16 +521,28 @@ def _refused(tmp_path, nodes, inits, match, opset=17, in_shape=IN_SHAPE):
 
 
 def test_computed_bounds_pads_axes_and_indices_are_refused_naming_the_node(tmp_path):
-    """A Slice start, a Pad width, Squeeze axes or Gather indices computed at
-    run time (here from the input's shape): ModelError naming the node and
-    what it expects; `sparseconv run` still runs such a model."""
+    """A Slice start the shape arithmetic does not follow (here through an
+    Identity), a backwards Slice from the batch size, a Pad width, Squeeze
+    axes or Gather indices computed at run time (here from the input's
+    shape), a Div of sizes cast to float (no integer division): ModelError
+    naming the node and what it expects; `sparseconv run` still runs such a
+    model."""
     shape = [helper.make_node("Shape", ["c"], ["shp"]),
              helper.make_node("Slice", ["shp", "i0", "i1"], ["n1"])]     # the batch size, a shape value
     inits = {"i0": np.array([0], np.int64), "i1": np.array([1], np.int64), "e": np.array([3], np.int64),
-             "ax": np.array([2], np.int64)}
+             "ax": np.array([2], np.int64), "back": np.array([-1], np.int64), "ax0": np.array([0], np.int64)}
     cases = [
-        ([helper.make_node("Slice", ["c", "n1", "e", "ax"], ["out"], name="slice_by_batch")],
-         r"node slice_by_batch \(Slice\): the starts \(n1\) must be a constant .*not computed at run time"),
+        ([helper.make_node("Identity", ["n1"], ["n1_copy"]),
+          helper.make_node("Slice", ["c", "n1_copy", "e", "ax"], ["out"], name="slice_by_batch")],
+         r"node slice_by_batch \(Slice\): the starts \(n1_copy\) must be a constant or computed from the "
+         r"input's shape .*not computed at run time from values"),
+        ([helper.make_node("Slice", ["c", "n1", "i0", "ax0", "back"], ["out"], name="back_from_batch")],
+         r"node back_from_batch \(Slice\): a negative step on axis 0 needs constant bounds"),
+        ([helper.make_node("Cast", ["n1"], ["f"], to=TensorProto.FLOAT),
+          helper.make_node("Div", ["f", "f"], ["q"], name="float_div"),
+          helper.make_node("Cast", ["q"], ["qi"], to=TensorProto.INT64),
+          helper.make_node("Slice", ["c", "i0", "qi", "ax0"], ["out"])],
+         r"node float_div \(Div\): Div of a shape value .* does not convert"),
         ([helper.make_node("Concat", ["n1", "n1", "n1", "n1", "n1", "n1", "n1", "n1"], ["p"], axis=0),
           helper.make_node("Pad", ["c", "p"], ["out"], name="pad_by_batch")],
          r"node pad_by_batch \(Pad\): the pads \(p\) must be a constant"),
