@@ -935,6 +935,10 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
      "folder /nonexistent-folder does not exist"),
     ("bench/front_end_ab.py", ["models/lenet_digits_pruned.onnx", "--batch", "0"], "0 is not in the range x>=1."),
     ("bench/front_end_ab.py", ["no-such.onnx"], "File 'no-such.onnx' does not exist."),
+    ("bench/dense_linear_probe.py", ["--out", "/nonexistent-folder/d.json"],
+     "folder /nonexistent-folder does not exist"),
+    ("bench/dense_linear_probe.py", ["--out", "d.txt"], "d.txt: the output file must end in .json"),
+    ("bench/dense_linear_probe.py", ["--batch", "0"], "0 is not in the range x>=1."),
 ]
 
 
@@ -942,7 +946,7 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
     """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
-    export_network.py, front_end_ab.py: exit 2, one line, nothing printed,
+    export_network.py, front_end_ab.py, dense_linear_probe.py: exit 2, one line, nothing printed,
     assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
