@@ -1,20 +1,15 @@
 """GPU: the shipped pruned LeNet end to end (ONNX runner and `sparseconv run`)
 against the dense float64 model."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from sparseconv.testing import relative_l2
+from shipped_models import DIGITS, LENET, MODELS
 
 pytestmark = pytest.mark.gpu
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
-
 
 
 def test_shipped_lenet_gives_the_dense_predictions_on_the_whole_test_split(session_cache_dir):

@@ -3,19 +3,15 @@ conversion, then sparsify's passes), against the float64 reference of the
 graph as written and against onnxruntime, eagerly and in CUDA graphs, through
 compile_model and `sparseconv run --front-end fx` (issue 13, item 0)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from sparseconv.testing import relative_l2
+from shipped_models import DIGITS, LENET, MODELS
 
 pytestmark = pytest.mark.gpu
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
 
 
 def test_lenet_through_fx_gives_the_dense_predictions_on_the_whole_test_split(session_cache_dir):

@@ -4,20 +4,15 @@ item 3). Graph replays must equal the eager run exactly, on fresh inputs and
 two shapes; a kept output must survive the next call; a layer routed to cuDNN
 must be captured too."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from sparseconv.testing import relative_l2
+from shipped_models import DIGITS, LENET
 
 pytestmark = pytest.mark.gpu
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
-
 
 
 def _same(graphed, eager):

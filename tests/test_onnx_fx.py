@@ -18,9 +18,8 @@ from sparseconv.model import ModelError  # noqa: E402
 from sparseconv.onnx_compile import compile_model, torch_cuda_missing  # noqa: E402
 from sparseconv.onnx_fx import FxOnnxModel, conv_fusion_totals, plan_line  # noqa: E402
 from sparseconv.onnx_torch import onnx_to_torch  # noqa: E402
+from shipped_models import LENET  # noqa: E402
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
 NO_CUDA = not torch.cuda.is_available()
 
 

@@ -22,12 +22,9 @@ from onnx import helper  # noqa: E402
 
 from onnx_models import save_model  # noqa: E402
 
+from shipped_models import DIGITS, LENET  # noqa: E402
 from sparseconv.runner import (SparseModel, UploadOnce, execute, compile_model, conv2d_dense,  # noqa: E402
                                load_program, prepare_constants, route_kernels)
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
 
 
 def _graph(tmp_path):

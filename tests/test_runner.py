@@ -5,7 +5,6 @@ ONNX semantics) on small graphs; the shipped LeNet reproduces its recorded test
 accuracy; its specialised conv kernels, run in the PTX interpreter inside the
 runner, give the dense model's predictions."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +18,7 @@ from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
-LENET = MODELS / "lenet_digits_pruned.onnx"
-DIGITS = MODELS / "digits_test.npz"
+from shipped_models import DIGITS, LENET, MODELS  # noqa: E402
 
 
 def _save(tmp_path, nodes, inits, in_shape, out_name="out", name="g.onnx"):

@@ -2,7 +2,6 @@
 sparse over its conv weights, compiles, and its specialised conv kernels compute
 the right thing (PTX interpreter vs float64 reference)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,8 @@ from sparseconv.model import load_model
 
 from ptx_interpreter import run_kernel
 from sparseconv.testing import conv2d_reference, relative_l2
+from shipped_models import MODELS
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
 pytest.importorskip("onnx")
 
 
