@@ -35,6 +35,7 @@ from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
 from .shapes import ANY_BATCH, Epilogue
 from .table import MAX_TABLE_BATCH, routable_table
+from .timing import one_line
 from .tune import DENSE, SPARSE_EVENTS
 
 SparseConv2d = FusedConv2d  # the name of the unfused swap before the fx front end
@@ -113,7 +114,7 @@ class CudaGraphModule(nn.Module):
             caller.wait_stream(side)
             if "synchronizing" not in str(exc):
                 raise
-            self.graph_notes[shape] = f"not captured, runs eagerly: it synchronizes with the host ({_first_error(exc)})"
+            self.graph_notes[shape] = f"not captured, runs eagerly: it synchronizes with the host ({one_line(exc)})"
             return None
         caller.wait_stream(side)
         # A capture that fails past that check (a sync torch does not see, CuPy's say) raises: torch.cuda.graph
@@ -140,15 +141,6 @@ def _host_syncs_refused() -> Iterator[None]:
             yield
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-
-
-def _first_error(exc: BaseException) -> str:
-    """The error that started a chain (ending a failed capture raises a second
-    one, "operation failed due to a previous error"), as one line."""
-    while exc.__context__ is not None:
-        exc = exc.__context__
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:

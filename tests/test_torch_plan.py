@@ -78,20 +78,6 @@ def test_cuda_graph_module_runs_cpu_inputs_directly():
         assert torch.equal(CudaGraphModule(m)(x), m(x))
 
 
-def test_a_failed_capture_is_noted_by_the_error_that_started_it_on_one_line():
-    from sparseconv.torch import _first_error
-
-    try:
-        try:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
-        except RuntimeError:
-            raise RuntimeError("operation failed due to a previous error during capture")
-    except RuntimeError as exc:
-        note = _first_error(exc)
-    assert note == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
-    assert _first_error(ValueError()) == "ValueError: "
-
-
 def test_route_from_choices_takes_the_nearer_measured_batch():
     from sparseconv.shapes import ANY_BATCH
     from sparseconv.torch import route_from_choices
