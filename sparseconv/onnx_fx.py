@@ -18,9 +18,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .fx import ConvPlan
+from .model import ModelError
 from .onnx_fuse import fusion_totals
 from .onnx_torch import onnx_to_torch
 from .routing import RouteChoice
+from .timing import one_line
 from .torch import CudaGraphModule, sparsify
 
 FRONT_END = "fx"
@@ -175,9 +177,30 @@ def compile_onnx_fx(path: Path, *, input_size: Optional[Tuple[int, int]] = None,
 
     module, shape = onnx_to_torch(Path(path), input_size)
     device = torch.device("cuda", cupy.cuda.Device().id)
-    batch = module.onnx_batch or 1
-    example = torch.randn((batch,) + shape, device=device)
-    fast = sparsify(module.to(device), example, tiling=tiling, backend=backend, tune_batch=tune_batch,
+    module = module.to(device)
+    example = example_input(Path(path), module, shape, device)
+    fast = sparsify(module, example, tiling=tiling, backend=backend, tune_batch=tune_batch,
                     cache_dir=cache_dir, jobs=jobs, progress=progress, fuse=fuse, cuda_graph=cuda_graph,
                     route_batches=route_batches, table=table)
     return FxOnnxModel(Path(path), fast, shape, module.onnx_batch)
+
+
+def example_input(path: Path, module: torch.nn.Module, shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A random input the converted module runs on, for sparsify to trace and
+    learn the shapes with: the batch the file fixes, else batch 1, else 2 (a
+    model that halves its batch, y.view(y.size(0) // 2, -1), fails at 1).
+    Raises ModelError naming the file when the module runs on neither."""
+    fixed = getattr(module, "onnx_batch", None)
+    errors = []
+    for batch in (fixed,) if fixed else (1, 2):
+        x = torch.randn((batch,) + tuple(shape), device=device)
+        try:
+            with torch.no_grad():
+                module(x)
+        except Exception as exc:  # noqa: BLE001 -- any failure of the user's graph: say which and try the next
+            errors.append(f"batch {batch}: {one_line(exc)}")
+        else:
+            return x
+    raise ModelError(f"{path}: the converted graph does not run on a random input of shape "
+                     f"(N, {', '.join(map(str, shape))}) ({'; '.join(errors)}); check the model with onnxruntime, "
+                     "or run it with front_end='runner' (`--front-end runner`)")

@@ -149,3 +149,51 @@ def test_cli_run_through_fx_checks_against_the_dense_reference(session_cache_dir
     for info in s["layers"].values():
         assert [t["batch"] for t in info["route"]["times_us"]] == [1, 64] and info["fused"] == ["relu"]
     assert np.load(out).shape == (450, 10)
+
+
+@pytest.mark.parametrize("how", ["chunk", "view"])
+def test_an_export_that_halves_the_batch_replays_in_graphs_like_onnxruntime(tmp_path, how):
+    """torch.chunk(y, 2) and y.view(y.size(0) // 2, -1) after a pruned conv,
+    exported with a dynamic batch (shape arithmetic on sizes, 2bfd23c): the fx
+    front end takes the file, compiles the conv, and replays each batch size in
+    a graph of its own with onnxruntime's outputs (an odd batch for the view)."""
+    ort = pytest.importorskip("onnxruntime")
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from torch import nn
+
+    from sparseconv import compile_model
+    from sparseconv.testing import pruned_weight
+
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(16, 32, 3, padding=1)
+            w = pruned_weight(np.random.default_rng(), (32, 16, 3, 3), 0.8)
+            self.conv.weight.data = torch.from_numpy(w)
+
+        def forward(self, x):
+            y = torch.relu(self.conv(x))
+            if how == "chunk":
+                a, b = torch.chunk(y, 2, dim=0)
+                return a - b
+            return y.view(y.size(0) // 2, -1)
+
+    path = tmp_path / f"{how}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+        torch.onnx.export(Halves().eval(), torch.randn(2, 16, 12, 12), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    model = compile_model(path, front_end="fx", cache_dir=str(tmp_path / "cache"), cuda_graph=True,
+                          route_batches=None)
+    assert model.front_end == "fx" and len(model.kernels) == 1, model.plan
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    batches = (4, 6) if how == "chunk" else (4, 5)
+    for batch in batches + batches:  # each shape captured once, then replayed with fresh inputs
+        x = np.random.default_rng().standard_normal((batch, 16, 12, 12)).astype(np.float32)
+        want = session.run(None, {"x": x})[0]
+        got = model(x).get()
+        assert got.shape == want.shape and got.shape[0] == batch // 2
+        assert relative_l2(got, want) <= 1e-5
+    assert model.graph_notes == {(b, 16, 12, 12): "captured" for b in batches}, model.graph_notes

@@ -75,3 +75,54 @@ def test_the_fx_front_end_without_cuda_says_what_to_use_instead():
     with pytest.raises(ModelError, match=r"lenet_digits_pruned.onnx: the fx front end needs torch with CUDA \(torch "
                                          r"has no usable CUDA device\); use front_end='runner'"):
         compile_model(LENET, front_end="fx")
+
+
+def _halving_export(tmp_path, forward, batch=2):
+    """A conv, then `forward(y)`, exported at `batch` with a dynamic batch (TorchScript exporter, opset 17)."""
+    import warnings
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            return forward(self.conv(x))
+
+    path = tmp_path / "halves.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notices
+        torch.onnx.export(Net().eval(), torch.randn(batch, 3, 6, 6), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    return path
+
+
+def test_the_example_input_takes_batch_2_where_the_graph_fails_at_batch_1(tmp_path):
+    """y.view(y.size(0) // 2, -1) is view(0, -1) at batch 1, which torch
+    refuses: sparsify's example input (found on the GPU, session 33) is then
+    batch 2, with the input's shape."""
+    from sparseconv.onnx_fx import example_input
+
+    path = _halving_export(tmp_path, lambda y: y.view(y.size(0) // 2, -1))
+    module, shape = onnx_to_torch(path)
+    x = example_input(path, module, shape, torch.device("cpu"))
+    assert tuple(x.shape) == (2, 3, 6, 6) and float(x.std()) > 0.5  # random, not zeros
+    assert tuple(module(x).shape) == (1, 2 * 4 * 36)
+    plain = onnx_to_torch(_halving_export(tmp_path, torch.relu))[0]
+    assert tuple(example_input(path, plain, shape, torch.device("cpu")).shape) == (1, 3, 6, 6)
+
+
+def test_a_graph_that_runs_at_neither_batch_is_refused_naming_the_file_and_both_errors(tmp_path):
+    """y.view(y.size(0) // 3, -1), exported at batch 3, is view(0, -1) at
+    batch 1 and 2: a ModelError with the file, the input shape and each
+    batch's error, which "auto" answers by taking the runner."""
+    from sparseconv.onnx_fx import example_input
+
+    path = _halving_export(tmp_path, lambda y: y.view(y.size(0) // 3, -1), batch=3)
+    module, shape = onnx_to_torch(path)
+    with pytest.raises(ModelError) as info:
+        example_input(path, module, shape, torch.device("cpu"))
+    text = str(info.value)
+    assert text.startswith(f"{path}: the converted graph does not run on a random input of shape (N, 3, 6, 6) (")
+    assert "batch 1: RuntimeError: shape '[0, -1]' is invalid" in text and "; batch 2: RuntimeError" in text
+    assert text.endswith("or run it with front_end='runner' (`--front-end runner`)")
