@@ -9,17 +9,27 @@ reference of the graph as written.
     python bench/front_end_ab.py resnet50.onnx --batch 1 --batch 64 --out ab.json
 
 A forward is timed as a user calls the model: a CuPy input copied in, the
-graph replayed, the output copied out (CUDA events, median of many calls)."""
+graph replayed, the output copied out (CUDA events, median of many calls).
+
+--profile also splits one call of each front end among its kernels (CUPTI
+through torch.profiler; each kernel's share of the call's span, as
+bench/network_profile.py shares a replay) and prints the kernels whose
+shares differ most between the two: where a gap between them comes from.
+
+    python bench/front_end_ab.py vgg16.onnx --batch 64 --profile --out ab.json"""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from collections import defaultdict
+from typing import Callable, Dict, List, Tuple
 
 import click
 import cupy
 import numpy as np
+import torch
+from network_profile import category, graph_spans  # bench/, beside this script
 
 from sparseconv.cli_options import check_output_file
 from sparseconv.onnx_compile import compile_model
@@ -35,7 +45,8 @@ FRONT_ENDS = ("runner", "fx")
 @click.option("--batch", "batches", type=click.IntRange(1), multiple=True, default=(1, 64), show_default=True)
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(model: Path, batches: Tuple[int, ...], rounds: int, out: Path) -> None:
+@click.option("--profile", is_flag=True, help="Also split one call of each front end among its kernels.")
+def main(model: Path, batches: Tuple[int, ...], rounds: int, out: Path, profile: bool) -> None:
     check_output_file(out, "--out", ".json")  # before minutes of compiling
     program = load_program(model)
     shape = tuple(program.input_shape[1:])
@@ -60,6 +71,9 @@ def main(model: Path, batches: Tuple[int, ...], rounds: int, out: Path) -> None:
         if b == 1:
             ref = run_reference(program, x.get())[0]
             row["rel_l2_vs_float64"] = {f: relative_l2(y.get(), ref) for f, y in ys.items()}
+        if profile:
+            row["profile"] = {f: call_profile(lambda: m(x)) for f, m in models.items()}
+            click.echo(profile_lines(row["profile"]))
         result["batches"][b] = row
         click.echo(f"batch {b}: " + ", ".join(f"{f} {min(t):.1f} us (runs {t})" for f, t in times.items())
                    + f"; fx vs runner rel L2 {row['fx_vs_runner_rel_l2']:.2e}, top-1 same {row['same_top1']:.3f}"
@@ -68,6 +82,48 @@ def main(model: Path, batches: Tuple[int, ...], rounds: int, out: Path) -> None:
     click.echo(f"compile + route s: {compile_s}")
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
+
+
+def call_profile(call: Callable[[], object], repeat: int = 5) -> Dict[str, object]:
+    """One call's kernels (the last of `repeat`, after as many warm ones): its
+    span, the gaps where no kernel ran, and each kernel name's summed share of
+    the span (graph_spans), by name and by category."""
+    for _ in range(repeat):
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            call()
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    if not events or len(events) % repeat:
+        return {"not split": f"{len(events)} kernel events over {repeat} calls"}
+    last = [(ev.name, float(ev.time_range.start), float(ev.time_range.end))
+            for ev in events[-(len(events) // repeat):]]
+    shares, gaps = graph_spans(last)
+    by_kernel: Dict[str, float] = defaultdict(float)
+    by_category: Dict[str, float] = defaultdict(float)
+    for name, us in shares:
+        by_kernel[name] += us
+        by_category[category(name)] += us
+    return {"span_us": round(last[-1][2] - last[0][1], 1), "gaps_us": round(gaps, 1), "kernels": len(last),
+            "by_category_us": {k: round(v, 1) for k, v in by_category.items()},
+            "by_kernel_us": {k: round(v, 1) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])}}
+
+
+def profile_lines(profiles: Dict[str, Dict[str, object]], top: int = 12) -> str:
+    """The two calls' spans, gaps and categories, then the kernel names whose
+    shares differ most (fx minus runner)."""
+    if any("not split" in p for p in profiles.values()):
+        return "  profile: " + "; ".join(f"{f}: {p.get('not split', 'split')}" for f, p in profiles.items())
+    lines = [f"  {f}: span {p['span_us']} us, gaps {p['gaps_us']}, {p['kernels']} kernels, {p['by_category_us']}"
+             for f, p in profiles.items()]
+    runner, fx = profiles["runner"]["by_kernel_us"], profiles["fx"]["by_kernel_us"]
+    diffs = sorted(((fx.get(k, 0.0) - runner.get(k, 0.0), k) for k in set(runner) | set(fx)), key=lambda d: -abs(d[0]))
+    lines += [f"    {d:+9.1f} us  fx {fx.get(k, 0.0):9.1f}  runner {runner.get(k, 0.0):9.1f}  {k[:90]}"
+              for d, k in diffs[:top]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,24 @@ def test_the_staged_entries_switch_leaves_the_table_reading_global_memory():
             "print(table_tiling(dict(resnet50())['layer4.1.conv2']).staged_entries)")
     assert printed(code) == "True"
     assert printed(code, "staged-table-entries") == "False"
+
+
+def test_front_end_ab_lists_the_kernels_whose_shares_differ_most(monkeypatch):
+    """bench/front_end_ab.py --profile: the two calls' spans, then kernel
+    names by |fx - runner|, a kernel only one side ran counted as 0 on the other."""
+    import importlib.util
+
+    pytest.importorskip("cupy")
+    monkeypatch.setitem(sys.modules, "network_profile", network_profile())  # as when run from bench/
+    spec = importlib.util.spec_from_file_location("front_end_ab", ROOT / "bench" / "front_end_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    side = dict(span_us=100.0, gaps_us=1.0, kernels=3, by_category_us={"sparseconv": 90.0})
+    profiles = {"runner": dict(side, by_kernel_us={"sc_conv2d_a": 60.0, "gemm": 30.0, "copy": 9.0}),
+                "fx": dict(side, by_kernel_us={"sc_conv2d_a": 61.0, "gemm": 20.0, "bias_add": 5.0})}
+    lines = ab.profile_lines(profiles, top=3).splitlines()
+    assert lines[0] == "  runner: span 100.0 us, gaps 1.0, 3 kernels, {'sparseconv': 90.0}"
+    assert [line.split()[-1] for line in lines[2:]] == ["gemm", "copy", "bias_add"]
+    assert lines[2].split()[:5] == ["-10.0", "us", "fx", "20.0", "runner"]
+    assert ab.profile_lines({"runner": {"not split": "7 kernel events over 5 calls"}, "fx": side}) == \
+        "  profile: runner: 7 kernel events over 5 calls; fx: split"
