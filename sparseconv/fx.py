@@ -283,18 +283,13 @@ class FusedLinear(_KernelNode):
         return text + self._kernel_repr()
 
 
-# Outputs per (n, c) plane from which IndexFreeMaxPool2d runs its kernel: it
-# gives each plane its own blocks, and on VGG-16's pool5 (7x7 outputs) it was
-# slower than torch's pool (H100, bench/pool_bench.py, session 12: 22.1 vs
-# 20.9 us at batch 64; pool4's 14x14, 67 vs 81 us, is kept).
-MIN_POOL_PLANE = 128
-
-
 class IndexFreeMaxPool2d(nn.Module):
     """An nn.MaxPool2d whose CUDA float32 inputs run sparseconv.pool's kernel:
     the same maxima, without the int64 indices torch's CUDA pool also writes.
-    Other inputs (CPU, other dtypes, unbatched, autograd, planes of fewer
-    than MIN_POOL_PLANE outputs) run F.max_pool2d."""
+    Other inputs (CPU, other dtypes, unbatched, autograd) run F.max_pool2d.
+    (Small planes too: VGG-16's pool5, 7x7 outputs, took torch's pool until
+    session 33, when sparseconv.pool's one loop over the tensor took 8.5 us
+    at batch 64 against torch's 20.9.)"""
 
     def __init__(self, pool: nn.MaxPool2d, name: str) -> None:
         super().__init__()
@@ -305,15 +300,14 @@ class IndexFreeMaxPool2d(nn.Module):
         s = self.shape
         ours = x.is_cuda and x.dtype == torch.float32 and x.dim() == 4 \
             and not (x.requires_grad and torch.is_grad_enabled())
-        size = s.output_size(x.shape[2], x.shape[3]) if ours else (0, 0)
-        if math.prod(size) < MIN_POOL_PLANE:
+        if not ours:
             return F.max_pool2d(x, s.kernel, s.stride, s.padding, s.dilation, s.ceil_mode)
         import cupy
 
         from . import runtime
 
         x = x.detach().contiguous()
-        out = torch.empty(x.shape[:2] + size, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]), dtype=torch.float32, device=x.device)
         if out.numel():  # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
             index = x.device.index
             with cupy.cuda.Device(index), runtime.as_cupy_stream(torch.cuda.current_stream(x.device), index,

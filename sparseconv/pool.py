@@ -12,7 +12,7 @@ window propagates, padding never wins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from .launch import GRID_DEPENDENCY_CUDA, launch
 from .shapes import pair
@@ -27,36 +27,60 @@ _MAX_POOL_SOURCE = r"""
 // and column cost a multiply and a shift, not a division: with them as
 // arguments the kernel was bound by its integer work (ncu: SM throughput 81%,
 // DRAM 60%, 126 us for ResNet-50's stem pool at batch 64; session 28).
-// grid: (pixel blocks, planes), each a grid-stride loop; blockIdx.y picks the
-// (n, c) plane, so no thread divides a 64-bit index.
+
+// One output: the maximum over its window of plane src (p: row * OUT_W + column).
+__device__ __forceinline__ float window_max(const float* __restrict__ src, int p)
+{
+    const float neg_inf = -__int_as_float(0x7f800000);
+    const int h0 = (p / OUT_W) * STRIDE_H - PAD_H, w0 = (p % OUT_W) * STRIDE_W - PAD_W;
+    float v[KERNEL_H][KERNEL_W];
+#pragma unroll
+    for (int r = 0; r < KERNEL_H; ++r)
+#pragma unroll
+        for (int s = 0; s < KERNEL_W; ++s) {
+            const int h = h0 + r * DIL_H, w = w0 + s * DIL_W;
+            // padding reads as -inf: it never wins a compare below
+            v[r][s] = h >= 0 && h < IN_H && w >= 0 && w < IN_W ? __ldg(src + h * IN_W + w) : neg_inf;
+        }
+    float m = neg_inf;                       // as torch starts
+#pragma unroll
+    for (int r = 0; r < KERNEL_H; ++r)
+#pragma unroll
+        for (int s = 0; s < KERNEL_W; ++s)
+            if (v[r][s] > m || v[r][s] != v[r][s]) m = v[r][s];  // a NaN wins and stays, as in torch
+    return m;
+}
+
+// A block a plane, for tensors of 2^31 outputs or more (sc_max_pool2d_flat
+// takes the rest). grid: (pixel blocks, planes), each a grid-stride loop;
+// blockIdx.y picks the (n, c) plane, so no thread divides a 64-bit index.
 extern "C" __global__ void sc_max_pool2d(const float* __restrict__ x, float* __restrict__ y, long long planes)
 {
     SC_WAIT_FOR_PREVIOUS_KERNEL();
     SC_LET_NEXT_KERNEL_START();
-    const float neg_inf = -__int_as_float(0x7f800000);
     const int out_hw = OUT_H * OUT_W;
     for (long long plane = blockIdx.y; plane < planes; plane += gridDim.y) {
         const float* src = x + plane * (IN_H * IN_W);
         float* dst = y + plane * out_hw;
-        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < out_hw; p += gridDim.x * blockDim.x) {
-            const int h0 = (p / OUT_W) * STRIDE_H - PAD_H, w0 = (p % OUT_W) * STRIDE_W - PAD_W;
-            float v[KERNEL_H][KERNEL_W];
-#pragma unroll
-            for (int r = 0; r < KERNEL_H; ++r)
-#pragma unroll
-                for (int s = 0; s < KERNEL_W; ++s) {
-                    const int h = h0 + r * DIL_H, w = w0 + s * DIL_W;
-                    // padding reads as -inf: it never wins a compare below
-                    v[r][s] = h >= 0 && h < IN_H && w >= 0 && w < IN_W ? __ldg(src + h * IN_W + w) : neg_inf;
-                }
-            float m = neg_inf;                       // as torch starts
-#pragma unroll
-            for (int r = 0; r < KERNEL_H; ++r)
-#pragma unroll
-                for (int s = 0; s < KERNEL_W; ++s)
-                    if (v[r][s] > m || v[r][s] != v[r][s]) m = v[r][s];  // a NaN wins and stays, as in torch
-            dst[p] = m;
-        }
+        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < out_hw; p += gridDim.x * blockDim.x)
+            dst[p] = window_max(src, p);
+    }
+}
+
+// One grid-stride loop over every output of the tensor: a block spans planes,
+// so small planes (VGG-16's pool5: 49 outputs) leave no thread idle (a block
+// a plane ran 40 us there at batch 64, this 8.5; and 91.7 against 96.4 us on
+// ResNet-50's stem pool; bench/pool_bench.py, session 33). The caller keeps
+// planes * OUT_H * OUT_W < 2^31; the plane is a 32-bit division by a constant.
+extern "C" __global__ void sc_max_pool2d_flat(const float* __restrict__ x, float* __restrict__ y, int outputs)
+{
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
+    // unsigned: i + the grid's stride stays below 2^32 without overflow
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < (unsigned int)outputs;
+         i += gridDim.x * blockDim.x) {
+        const unsigned int plane = i / (OUT_H * OUT_W);
+        y[i] = window_max(x + (long long)plane * (IN_H * IN_W), (int)(i - plane * (OUT_H * OUT_W)));
     }
 }
 """
@@ -71,8 +95,7 @@ def pool_source(kernel: IntPair, stride: IntPair, pad_top_left: IntPair, dilatio
     return defines + GRID_DEPENDENCY_CUDA + _MAX_POOL_SOURCE
 
 
-_kernels: Dict[Tuple[object, ...], Any] = {}  # (device, pool_source's arguments) -> kernel
-
+_kernels: Dict[Tuple[object, ...], Any] = {}  # (device, kernel name, pool_source's arguments) -> kernel
 
 @dataclass(frozen=True)
 class MaxPoolShape:
@@ -113,6 +136,9 @@ class MaxPoolShape:
         return h, w
 
 
+_kernels: Dict[Tuple[object, ...], Any] = {}  # (device, kernel name, pool_source's arguments) -> kernel
+
+
 def max_pool2d(device_id: int, x: Any, y: Any, pool: MaxPoolShape) -> None:
     """y = max pool of x (CuPy float32 arrays, C-contiguous, (N, C, H, W) and
     (N, C) + pool.output_size(H, W)) on the current stream."""
@@ -124,11 +150,14 @@ def max_pool2d(device_id: int, x: Any, y: Any, pool: MaxPoolShape) -> None:
 
 
 def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: IntPair, pad_top_left: IntPair,
-                    dilation: IntPair) -> None:
+                    dilation: IntPair, flat: Optional[bool] = None) -> None:
     """The kernel launch behind max_pool2d, for callers that size y
     themselves (ONNX's pads may differ at the bottom and right, and its
     ceil_mode adds a partial window: the kernel skips whatever falls outside
-    x). Window (i, j) starts at (i * stride - top, j * stride - left)."""
+    x). Window (i, j) starts at (i * stride - top, j * stride - left).
+    `flat` picks the kernel: one loop over the tensor's outputs
+    (sc_max_pool2d_flat, the default below 2^31 outputs) or a block a plane
+    (sc_max_pool2d); bench/pool_bench.py times both."""
     import cupy
     import numpy as np
 
@@ -137,11 +166,18 @@ def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: Int
     sizes = tuple(kernel), tuple(stride), tuple(pad_top_left), tuple(dilation), (in_h, in_w), (out_h, out_w)
     if y.size == 0:
         return
-    key = (device_id, *sizes)
+    outputs = n * c * out_h * out_w
+    if flat and outputs >= 2**31:
+        raise ValueError(f"max pool: sc_max_pool2d_flat indexes outputs in 32 bits, got {outputs}")
+    flat = outputs < 2**31 if flat is None else flat
+    name = "sc_max_pool2d_flat" if flat else "sc_max_pool2d"
+    key = (device_id, name, *sizes)
     if key not in _kernels:
-        _kernels[key] = cupy.RawKernel(pool_source(*sizes), "sc_max_pool2d")
-    # Up to 256 threads per plane, fewer for small planes (VGG-16's pool5 has
-    # 49 outputs: 256 threads left 80% idle and ran slower than torch's pool).
+        _kernels[key] = cupy.RawKernel(pool_source(*sizes), name)
+    if flat:
+        launch(_kernels[key], (-(-outputs // 256),), (256,), (x, y, np.int32(outputs)))
+        return
+    # Up to 256 threads per plane, fewer for smaller planes.
     threads = min(256, 32 * -(-(out_h * out_w) // 32))
     launch(_kernels[key], (min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,),
            (x, y, np.int64(n * c)))

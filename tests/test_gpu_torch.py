@@ -313,5 +313,31 @@ def test_index_free_max_pool_equals_torchs_bit_for_bit(pool):
     assert y.shape == want.shape and torch.equal(y.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(want))
     assert torch.equal(ours(x[:0]), torch_pool(x[:0]))  # an empty batch
-    small = x[:, :, :12, :12]  # planes under MIN_POOL_PLANE outputs: torch's pool
+    small = x[:, :, :12, :12]  # small planes (VGG-16's pool5 has 49 outputs a plane): sparseconv's pool too
     assert torch.equal(torch.nan_to_num(ours(small)), torch.nan_to_num(torch_pool(small)))
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["planes", "flat"])
+def test_both_pool_kernels_equal_torchs_bit_for_bit(flat):
+    """sparseconv.pool's two kernels, each forced on the same inputs: VGG-16's
+    pool5 at batch 64 (49 outputs a plane, 32,768 planes: more blocks than one
+    wave for sc_max_pool2d_flat), an uneven window and NaN / inf values."""
+    import cupy as cp
+
+    from sparseconv.pool import launch_max_pool
+    from sparseconv.runtime import as_cupy_stream
+
+    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    for shape, (k, s, p) in (((64, 512, 14, 14), (2, 2, 0)), ((3, 5, 13, 10), ((3, 2), (2, 1), (1, 0)))):
+        x = torch.randn(*shape, device="cuda", generator=gen)
+        x[0, 0, 3, 3], x[2, 4, 1, 7], x[1, 1] = float("nan"), float("inf"), float("-inf")
+        want = torch.nn.functional.max_pool2d(x, k, s, p)
+        y = torch.full_like(want, 12345.0)
+        kp = (k, k) if isinstance(k, int) else k
+        sp = (s, s) if isinstance(s, int) else s
+        pp = (p, p) if isinstance(p, int) else p
+        with cp.cuda.Device(0), as_cupy_stream(torch.cuda.current_stream(), 0, "test"):
+            launch_max_pool(0, cp.from_dlpack(x), cp.from_dlpack(y), kp, sp, pp, (1, 1), flat=flat)
+        torch.cuda.synchronize()
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(want))
+

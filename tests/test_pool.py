@@ -35,17 +35,23 @@ def torch_pool(x: np.ndarray, s: MaxPoolShape) -> np.ndarray:
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("flat", [False, True], ids=["planes", "flat"])
 @pytest.mark.parametrize("pool", POOLS, ids=str)
-def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool):
+def test_the_kernel_gives_torchs_maxima_bit_for_bit(pool, flat):
+    """Both kernels: a block per plane (sc_max_pool2d, for tensors of 2^31
+    outputs or more), and one loop over every output of the tensor
+    (sc_max_pool2d_flat, the default)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 7, 9)).astype(np.float32)
     x[0, 0, 2, 3], x[1, 2, 0, 0], x[0, 1, 4, 4] = np.nan, np.inf, -np.inf  # NaN propagates, as in torch
     x[1, 1] = -np.inf                                                     # a plane of -inf: no padding wins
     oh, ow = pool.output_size(7, 9)
     y = np.full((2, 3, oh, ow), 12345.0, np.float32)
-    # fewer blocks than planes and fewer threads than pixels: both grid-stride loops run
-    run_kernel(pool_ptx(pool.kernel, pool.stride, pool.padding, pool.dilation, (7, 9), (oh, ow)), "sc_max_pool2d",
-               grid=(2, 4, 1), block=(4, 1, 1), args=[x, y, 6])
+    ptx = pool_ptx(pool.kernel, pool.stride, pool.padding, pool.dilation, (7, 9), (oh, ow))
+    if flat:  # fewer threads than outputs, and blocks that span planes: the grid-stride loop runs
+        run_kernel(ptx, "sc_max_pool2d_flat", grid=(3, 1, 1), block=(5, 1, 1), args=[x, y, np.int32(y.size)])
+    else:  # fewer blocks than planes and fewer threads than pixels: both grid-stride loops run
+        run_kernel(ptx, "sc_max_pool2d", grid=(2, 4, 1), block=(4, 1, 1), args=[x, y, 6])
     want = torch_pool(x, pool)
     assert y.shape == want.shape
     assert np.array_equal(y, want, equal_nan=True)
@@ -135,3 +141,4 @@ def test_the_sizes_are_compiled_in_so_no_thread_divides():
     assert "griddepcontrol.wait" in ptx
     assert pool_source((3, 3), (2, 2), (1, 1), (1, 1), (112, 112), (56, 56)) != \
         pool_source((3, 3), (2, 2), (1, 1), (1, 1), (56, 56), (28, 28))
+
