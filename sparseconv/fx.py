@@ -337,6 +337,43 @@ def swap_max_pools(module: nn.Module) -> List[str]:
     return swapped
 
 
+class SkipIdentityPool(nn.Module):
+    """A pool that leaves its input as it is, returned without running:
+    an adaptive pool whose output size is its input's (VGG's
+    AdaptiveAvgPool2d((7, 7)) after 7x7 features; checked at each call, other
+    sizes run the pool) or a 1x1 window at stride 1 without padding (always).
+    Each window is then one element, and its mean or max is that element,
+    exactly. skip_identity_pools puts it only where nothing else reads the
+    pool's input, so a later in-place op cannot tell the difference."""
+
+    def __init__(self, pool: nn.Module, name: str) -> None:
+        super().__init__()
+        self.pool, self.layer_name = pool, name
+        size = getattr(pool, "output_size", None)
+        self.output_size = None if size is None else (size, size) if isinstance(size, int) else tuple(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_size is None or x.dim() in (3, 4) and \
+                all(o is None or o == n for o, n in zip(self.output_size, x.shape[-2:])):
+            return x
+        return self.pool(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: returns its input where the pool leaves it as it is"
+
+
+def identity_pool(m: nn.Module) -> bool:
+    """Whether m is a 2-D pool that can leave its input as it is (SkipIdentityPool)."""
+    if type(m) in (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d):
+        return not getattr(m, "return_indices", False)
+    if type(m) in (nn.AvgPool2d, nn.MaxPool2d):
+        one = all(v in (1, (1, 1), [1, 1]) for v in (m.kernel_size, m.stride))
+        unpadded = m.padding in (0, (0, 0), [0, 0])
+        return one and unpadded and getattr(m, "divisor_override", None) is None \
+            and not getattr(m, "return_indices", False)
+    return False
+
+
 class GemvLinear(nn.Module):
     """A dense nn.Linear (same weight and bias parameters) whose CUDA float32
     calls on (N, in_features) inputs with N <= MAX_GEMV_BATCH run
@@ -432,6 +469,64 @@ class SparseGemvLinear(nn.Module):
         return (f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.nnz:,} nonzero weights, "
                 f"sparseconv's sparse gemv at batch <= {MAX_GEMV_BATCH}")
+
+
+# Modules and functions whose output is a new tensor, never a view of an
+# input: where skip_identity_pools stops following what a pool's output may
+# alias. Anything else (flatten, view, getitem, dropout, ...) may return its
+# input or a view of it, and is followed.
+_FRESH_FUNCTIONS = (operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.cat, F.linear,
+                    F.conv2d, torch.relu, F.relu, torch.sigmoid, torch.tanh)
+# (an activation module with inplace=True is found by _mutates before it is asked)
+_FRESH_MODULES = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Sigmoid)
+
+
+def _fresh(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        m = modules.get(str(node.target))
+        return isinstance(m, _FRESH_MODULES + (_KernelNode, IndexFreeMaxPool2d, GemvLinear, SparseGemvLinear))
+    return node.op == "call_function" and node.target in _FRESH_FUNCTIONS
+
+
+def _mutated_downstream(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether an in-place op may write into node's value or a view of it:
+    any user that mutates, following users that may alias their input."""
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _mutates(user, modules):
+                return True
+            if not _fresh(user, modules):
+                todo.append(user)
+    return False
+
+
+def skip_identity_pools(gm: fx.GraphModule) -> List[str]:
+    """Replace, in place, each pool module of the traced `gm` that can leave
+    its input as it is (identity_pool) by a SkipIdentityPool, where no
+    in-place op downstream can write into its output (which is then its
+    input) and that input is not the graph's own, at every call of the
+    module; returns the names."""
+    modules = dict(gm.named_modules())
+    calls: Dict[str, List[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and identity_pool(modules[node.target]):
+            calls.setdefault(node.target, []).append(node)
+
+    def safe(node: fx.Node) -> bool:
+        source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        return isinstance(source, fx.Node) and source.op != "placeholder" and not _mutated_downstream(node, modules)
+
+    skipped = []
+    for name, nodes in calls.items():
+        if all(safe(n) for n in nodes):  # a module called twice is one module: every call must qualify
+            parent, _, attr = name.rpartition(".")
+            setattr(gm.get_submodule(parent) if parent else gm, attr, SkipIdentityPool(modules[name], name))
+            skipped.append(name)
+    return skipped
 
 
 def swap_dense_linears(module: nn.Module) -> List[str]:

@@ -132,6 +132,8 @@ class FxOnnxModel:
                                                                                         [])]
         lines += [f"{name}: {type(graph_module.get_submodule(name)).__name__}"
                   for name in getattr(self.module, "sparseconv_gemv", [])]
+        lines += [f"{name}: {type(graph_module.get_submodule(name).pool).__name__}, skipped where it leaves its input "
+                  "as it is" for name in getattr(self.module, "sparseconv_skipped_pools", [])]
         lines += [f"CUDA graph for input {'x'.join(map(str, s))}: {note}" for s, note in self.graph_notes.items()]
         return lines
 

@@ -29,7 +29,8 @@ from torch import nn
 
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, SparseGemvLinear, conv_padding,
-                 plan, prepare, swap_dense_linears, swap_max_pools, swap_modules)
+                 plan, prepare, skip_identity_pools, swap_dense_linears, swap_max_pools,
+                 swap_modules)
 from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
@@ -291,6 +292,9 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     for sparseconv.pool's kernel on CUDA float32 inputs: the same maxima,
     without the int64 indices torch's CUDA pool also writes (ResNet-50's pool
     at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them.
+    In a traced model it also skips each pool that leaves its input as it is
+    (an adaptive pool to its input's size, as VGG's after 7x7 features, or a
+    1x1 window at stride 1): `result.sparseconv_skipped_pools`.
 
     gemv=True (default) runs each nn.Linear that is not compiled (at least
     gemv.MIN_GEMV_FEATURES outputs) through a sparseconv.gemv kernel at
@@ -342,6 +346,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
             paths = {path for _, path in convs[p.name].route}
             action = "mixed" if len(paths) > 1 else paths.pop()
             plans[i] = replace(p, action=action, reason=routed[p.name])
+    skipped = skip_identity_pools(result) if pools and isinstance(result, torch.fx.GraphModule) else []
     pooled = swap_max_pools(result) if pools else []
     gemvs = swap_dense_linears(result) if gemv else []
     for i, p in enumerate(plans):  # a kept pruned Linear now runs the sparse gemv: the plan says so
@@ -353,6 +358,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
         result = CudaGraphModule(result)
     result.sparseconv_plan = plans
     result.sparseconv_pools = pooled
+    result.sparseconv_skipped_pools = skipped
     result.sparseconv_gemv = gemvs
     return result
 

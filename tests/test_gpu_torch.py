@@ -341,3 +341,29 @@ def test_both_pool_kernels_equal_torchs_bit_for_bit(flat):
         torch.cuda.synchronize()
         assert torch.equal(y.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(want))
 
+
+def test_sparsify_skips_an_adaptive_pool_to_its_input_size(session_cache_dir):
+    """VGG's AdaptiveAvgPool2d after features of its output size returns its
+    input (sparseconv_skipped_pools), against float64, replayed in CUDA
+    graphs. (Other sizes run the pool: tests/test_pool.py, on the CPU; here
+    the compiled conv takes only its own size.)"""
+    import sparseconv.torch as sct
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 16, 3, padding=1)
+            self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+            self.fc = nn.Linear(16 * 36, 10)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(self.avgpool(torch.relu(self.conv(x))), 1))
+
+    net = _pruned(Head())
+    fast = sct.sparsify(net, torch.randn(2, 8, 6, 6, device="cuda"), cache_dir=str(session_cache_dir),
+                        progress=False, cuda_graph=True, route_batches=None)
+    assert fast.sparseconv_skipped_pools == ["avgpool"]
+    with torch.no_grad():
+        for batch in (3, 1, 3):
+            x = torch.randn(batch, 8, 6, 6, device="cuda")
+            assert relative_l2(fast(x).cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5

@@ -126,3 +126,25 @@ def test_a_graph_that_runs_at_neither_batch_is_refused_naming_the_file_and_both_
     assert text.startswith(f"{path}: the converted graph does not run on a random input of shape (N, 3, 6, 6) (")
     assert "batch 1: RuntimeError: shape '[0, -1]' is invalid" in text and "; batch 2: RuntimeError" in text
     assert text.endswith("or run it with front_end='runner' (`--front-end runner`)")
+
+
+def test_an_exported_adaptive_pool_to_its_input_size_is_skipped_and_the_plan_says_so(tmp_path):
+    """VGG's AdaptiveAvgPool2d((7, 7)) after 7x7 features, as the TorchScript
+    exporter writes it (an AveragePool with a 1x1 window), converted: sparsify's
+    skip_identity_pools takes it, the outputs stay the same, and
+    FxOnnxModel.plan lists it."""
+    from sparseconv.fx import SkipIdentityPool, skip_identity_pools
+
+    path = _halving_export(tmp_path, lambda y: torch.flatten(torch.nn.AdaptiveAvgPool2d((6, 6))(torch.relu(y)), 1))
+    module, shape = onnx_to_torch(path)
+    x = torch.randn((3,) + shape)
+    front = prepare(module, x[:1], linear=LinearOptions())
+    gm = front.module
+    want = module(x)
+    skipped = skip_identity_pools(gm)
+    assert len(skipped) == 1 and isinstance(gm.get_submodule(skipped[0]), SkipIdentityPool), gm
+    assert torch.equal(gm(x), want)
+    gm.sparseconv_plan, gm.sparseconv_skipped_pools = front.plans, skipped
+    pool = type(gm.get_submodule(skipped[0]).pool).__name__
+    plan = FxOnnxModel(path, gm, shape, None).plan
+    assert f"{skipped[0]}: {pool}, skipped where it leaves its input as it is" in plan

@@ -142,3 +142,51 @@ def test_the_sizes_are_compiled_in_so_no_thread_divides():
     assert pool_source((3, 3), (2, 2), (1, 1), (1, 1), (112, 112), (56, 56)) != \
         pool_source((3, 3), (2, 2), (1, 1), (1, 1), (56, 56), (28, 28))
 
+
+class _Pools(nn.Module):
+    """Pools that leave their input as it is (adaptive to its size, 1x1 at
+    stride 1), one that does not and is called twice (once on a value read
+    elsewhere), one whose input has another reader (then mutated in place
+    after it), and one on the graph's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.same = nn.AdaptiveAvgPool2d((8, 8))
+        self.rows = nn.AdaptiveMaxPool2d((None, 8))
+        self.one = nn.AvgPool2d(1, 1)
+        self.halves = nn.AdaptiveAvgPool2d(4)
+        self.shared = nn.AdaptiveAvgPool2d(8)
+        self.on_input = nn.MaxPool2d(1)
+
+    def forward(self, x):
+        y = self.one(self.rows(self.same(self.conv(x))))
+        z = torch.relu(y)
+        w = self.shared(z).add_(1)  # in place on the pool's output, which would be z, read again below
+        return self.halves(y) + self.halves(z + w).sum() + self.on_input(x).sum()
+
+
+def test_pools_that_leave_their_input_as_it_is_are_skipped_where_nothing_writes_into_it():
+    from sparseconv.fx import SkipIdentityPool, identity_pool, skip_identity_pools
+
+    torch.manual_seed(0)
+    net = _Pools().eval()
+    gm = fx.symbolic_trace(net)
+    assert skip_identity_pools(gm) == ["same", "rows", "one", "halves"]
+    assert all(isinstance(gm.get_submodule(n), SkipIdentityPool) for n in ("same", "rows", "one"))
+    for size in (8, 16):  # at 16 the adaptive pools average and take maxima again, through torch
+        x = torch.randn(2, 3, size, size)
+        assert torch.equal(gm(x), net(x)), size
+    assert not identity_pool(nn.AvgPool2d(1, 1, divisor_override=2)) and not identity_pool(nn.MaxPool2d(3, 1, 1))
+    assert not identity_pool(nn.AdaptiveMaxPool2d(2, return_indices=True))
+    assert "returns its input" in repr(gm.get_submodule("same"))
+
+
+def test_the_runner_returns_a_1x1_pools_input_as_it_is():
+    from sparseconv.runner import _pool
+
+    x = np.random.default_rng().standard_normal((2, 3, 5, 4)).astype(np.float32)
+    for reduce in ("mean", "max"):
+        assert _pool(np, x, {"kernel_shape": (1, 1), "strides": (1, 1), "ceil_mode": 1}, reduce) is x
+    padded = _pool(np, x, {"kernel_shape": (1, 1), "pads": (1, 0, 0, 0), "count_include_pad": 1}, "mean")
+    assert padded.shape == (2, 3, 6, 4) and np.array_equal(padded[:, :, 1:], x)  # padded: not the input
