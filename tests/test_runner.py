@@ -271,3 +271,16 @@ def test_one_parse_and_one_naming_rule_for_compile_and_run(tmp_path, monkeypatch
     for layer in pruned.layers:
         np.testing.assert_array_equal(program.convs[layer.name].weight, layer.weight)
         assert program.convs[layer.name].shape == layer.shape
+
+
+def test_gemm_scales_only_by_an_alpha_or_beta_other_than_1():
+    """alpha = beta = 1 (as exporters write them): exactly A @ B + C, no
+    multiply; other values still scale, transposes as ONNX's Gemm takes them."""
+    from sparseconv.runner import _gemm
+
+    rng = np.random.default_rng()
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((3, 5), (4, 5), (4,)))
+    assert np.array_equal(_gemm(np, a, b, c, {"transB": 1}), a @ b.T + c)
+    assert np.array_equal(_gemm(np, a, b.T, None, {}), a @ b.T)
+    scaled = _gemm(np, a.T, b, c, {"transA": 1, "transB": 1, "alpha": 2.0, "beta": 0.5})
+    assert np.allclose(scaled, 2.0 * (a @ b.T) + 0.5 * c, rtol=1e-6, atol=1e-6)
