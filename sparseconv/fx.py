@@ -343,8 +343,8 @@ class SkipIdentityPool(nn.Module):
     AdaptiveAvgPool2d((7, 7)) after 7x7 features; checked at each call, other
     sizes run the pool) or a 1x1 window at stride 1 without padding (always).
     Each window is then one element, and its mean or max is that element,
-    exactly. skip_identity_pools puts it only where nothing else reads the
-    pool's input, so a later in-place op cannot tell the difference."""
+    exactly. skip_identity_pools puts it only where no in-place op after it
+    can write into its output (then its input), so nothing can tell."""
 
     def __init__(self, pool: nn.Module, name: str) -> None:
         super().__init__()

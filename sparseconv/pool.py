@@ -95,8 +95,6 @@ def pool_source(kernel: IntPair, stride: IntPair, pad_top_left: IntPair, dilatio
     return defines + GRID_DEPENDENCY_CUDA + _MAX_POOL_SOURCE
 
 
-_kernels: Dict[Tuple[object, ...], Any] = {}  # (device, kernel name, pool_source's arguments) -> kernel
-
 @dataclass(frozen=True)
 class MaxPoolShape:
     """A 2-D max pool's window, as torch.nn.MaxPool2d takes it (stride
