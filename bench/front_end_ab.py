@@ -28,8 +28,7 @@ from typing import Callable, Dict, List, Tuple
 import click
 import cupy
 import numpy as np
-import torch
-from network_profile import category, graph_spans  # bench/, beside this script
+from network_profile import category, graph_spans, last_call_kernels  # bench/, beside this script
 
 from sparseconv.cli_options import check_output_file
 from sparseconv.onnx_compile import compile_model
@@ -90,17 +89,9 @@ def call_profile(call: Callable[[], object], repeat: int = 5) -> Dict[str, objec
     the span (graph_spans), by name and by category."""
     for _ in range(repeat):
         call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            call()
-        torch.cuda.synchronize()
-    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda ev: ev.time_range.start)
-    if not events or len(events) % repeat:
-        return {"not split": f"{len(events)} kernel events over {repeat} calls"}
-    last = [(ev.name, float(ev.time_range.start), float(ev.time_range.end))
-            for ev in events[-(len(events) // repeat):]]
+    last, events = last_call_kernels(call, repeat)
+    if last is None:
+        return {"not split": f"{events} kernel events over {repeat} calls"}
     shares, gaps = graph_spans(last)
     by_kernel: Dict[str, float] = defaultdict(float)
     by_category: Dict[str, float] = defaultdict(float)

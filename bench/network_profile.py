@@ -33,7 +33,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,6 +100,25 @@ def graph_spans(kernels: Sequence[Tuple[str, float, float]]) -> Tuple[List[Tuple
     return shares, gaps
 
 
+def last_call_kernels(call: Callable[[], object], repeat: int = 5
+                      ) -> Tuple[Optional[List[Tuple[str, float, float]]], int]:
+    """Profile `repeat` calls of `call` (CUPTI through torch.profiler) and
+    return the last call's kernels as (name, start µs, end µs), by start, and
+    how many kernel events there were; None for the kernels where the calls
+    did not launch the same number each (then they cannot be told apart)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            call()
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    if not events or len(events) % repeat:
+        return None, len(events)
+    return [(ev.name, float(ev.time_range.start), float(ev.time_range.end))
+            for ev in events[-(len(events) // repeat):]], len(events)
+
+
 def graph_profile(net: torch.nn.Module, x: torch.Tensor, calls: Sequence[Tuple[str, str]],
                   repeat: int = 5) -> Dict[str, object]:
     """The forward as `sparseconv bench --network` times it, one CUDA graph
@@ -108,17 +127,9 @@ def graph_profile(net: torch.nn.Module, x: torch.Tensor, calls: Sequence[Tuple[s
     graphed = CudaGraphModule(net)
     for _ in range(3):
         graphed(x)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            graphed(x)
-        torch.cuda.synchronize()
-    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda ev: ev.time_range.start)
-    if not events or len(events) % repeat:
-        return {"graph_profile": f"{len(events)} kernel events over {repeat} replays: not split"}
-    last = [(ev.name, float(ev.time_range.start), float(ev.time_range.end))
-            for ev in events[-(len(events) // repeat):]]
+    last, events = last_call_kernels(lambda: graphed(x), repeat)
+    if last is None:
+        return {"graph_profile": f"{events} kernel events over {repeat} replays: not split"}
     shares, gaps = graph_spans(last)
     by_cat: Dict[str, float] = defaultdict(float)
     for name, us in shares:
