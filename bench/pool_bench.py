@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,6 +45,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, action="append", help="repeat for several (default 1 and 64)")
     ap.add_argument("--out", default="pool_bench.json")
     args = ap.parse_args()
+    # before any pool is timed
+    if any(b < 1 for b in args.batch or []):
+        ap.error(f"--batch: 1 or more, got {min(args.batch)}")
+    out = Path(args.out)
+    if out.suffix != ".json" or not (out.parent if str(out.parent) else Path(".")).is_dir() or out.is_dir():
+        ap.error(f"--out {out}: a .json file in a folder that exists")
     rows = []
     for batch in args.batch or [1, 64]:
         for name, c, size, k, s, p in POOLS:

@@ -939,6 +939,10 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
      "folder /nonexistent-folder does not exist"),
     ("bench/dense_linear_probe.py", ["--out", "d.txt"], "d.txt: the output file must end in .json"),
     ("bench/dense_linear_probe.py", ["--batch", "0"], "0 is not in the range x>=1."),
+    ("bench/pool_bench.py", ["--batch", "0"], "--batch: 1 or more, got 0"),
+    ("bench/pool_bench.py", ["--out", "/nonexistent-folder/p.json"],
+     "--out /nonexistent-folder/p.json: a .json file in a folder that exists"),
+    ("bench/pool_bench.py", ["--out", "p.txt"], "--out p.txt: a .json file in a folder that exists"),
 ]
 
 
@@ -946,7 +950,7 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
     """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
-    export_network.py, front_end_ab.py, dense_linear_probe.py: exit 2, one line, nothing printed,
+    export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py: exit 2, one line, nothing printed,
     assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
