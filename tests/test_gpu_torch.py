@@ -87,6 +87,29 @@ def test_sparsify_runs_on_the_current_torch_stream_and_any_batch(session_cache_d
     assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
 
 
+def test_cupy_view_shares_the_tensors_memory():
+    """fx.cupy_view: the kernels' zero-copy view of a torch tensor, built from
+    the pointer (contiguous float32 / int32 / int64), or through DLPack
+    (strided, empty, other dtypes): same memory, shape and values either way."""
+    import cupy as cp
+
+    from sparseconv.fx import cupy_view
+
+    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    base = torch.randn(4, 6, 5, device="cuda", generator=gen)
+    for t in (base, base.to(torch.int32), base.to(torch.int64), base.transpose(1, 2), base[:, :0],
+              base.to(torch.float16)):
+        v = cupy_view(t)
+        assert isinstance(v, cp.ndarray) and tuple(v.shape) == tuple(t.shape) and v.dtype.itemsize == t.element_size()
+        if t.numel():
+            assert v.data.ptr == t.data_ptr()
+            np.testing.assert_array_equal(cp.asnumpy(v), t.cpu().numpy())
+    v = cupy_view(base)
+    v[1, 2, 3] = 1234.5  # a write through the view is the tensor's
+    torch.cuda.synchronize()
+    assert base[1, 2, 3].item() == 1234.5
+
+
 def test_sparsify_prune_reparametrised_convs(session_cache_dir):
     import torch.nn.utils.prune as prune
 
