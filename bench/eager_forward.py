@@ -5,15 +5,21 @@ The README's figures are CUDA-graph replays. A user who follows the quick
 start without `cuda_graph=True` calls every kernel from Python, and each
 sparseconv call has host work (checks, DLPack views, the stream, CuPy's
 launch). Where that host work is longer than the kernel, the GPU waits on
-Python. This prints, per batch size, µs per forward between CUDA events
-(median of --repeat):
+Python. This prints, per batch size, µs per forward (median of --repeat)
+for
 
   sparseconv eager   sparsify(model, x) called as it is
   sparseconv graph   the same model wrapped in CudaGraphModule
   torch eager fp32   the model sparsify was given (same weights), cuDNN, TF32 off
-  host enqueue       the Python time of one eager sparseconv forward, no sync
 
-and writes a cProfile of the eager forward (the 25 most expensive functions,
+each timed two ways: between CUDA events (`*_us`), and as the wall time
+from the call to its result on the host (`*_wall_us`: perf_counter around
+the call and a synchronize, what a caller that reads the result waits);
+plus `host_enqueue_us`, the Python time of one eager sparseconv forward
+without waiting for the GPU. (Session 34's runs had only the first and the
+last, and the event time came out below the Python time, 3,946 against
+7,431 µs: events can only undercount a host-bound call, so the wall time
+decides.) It writes a cProfile of the eager forward (the 25 most expensive functions,
 cumulative) next to --out.
 
     python bench/eager_forward.py resnet50 --batch 1 --batch 64 --out eager.json
@@ -36,14 +42,18 @@ from sparseconv.torch import CudaGraphModule, sparsify
 from sparseconv.zoo_torch import build_network
 
 
-def host_enqueue_us(fn, x: torch.Tensor, repeat: int) -> float:
-    """Median wall time of fn(x) without waiting for the GPU (the queue is
-    drained between calls, so it never blocks on a full queue)."""
+def host_us(fn, x: torch.Tensor, repeat: int, *, wait: bool) -> float:
+    """Median host time of fn(x), the queue drained before each call: until
+    its result is on the host (wait) or until fn returns (the Python time)."""
+    for _ in range(3):
+        fn(x)
     times = []
     for _ in range(repeat):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn(x)
+        if wait:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     times.sort()
@@ -78,11 +88,11 @@ def main() -> None:
         # cuDNN on, TF32 off. (Runs n and o of session 34 used torch.backends.cudnn.flags(allow_tf32=False),
         # whose default enabled=False turned cuDNN off: their torch column is not cuDNN's.)
         with torch.no_grad(), torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
-            row = {"batch": b,
-                   "sparseconv_eager_us": time_forward_us(fast, x, repeat=args.repeat),
-                   "sparseconv_graph_us": time_forward_us(graphed, x, repeat=args.repeat),
-                   "torch_eager_fp32_us": time_forward_us(net, x, repeat=args.repeat),
-                   "host_enqueue_us": host_enqueue_us(fast, x, args.repeat)}
+            row = {"batch": b}
+            for name, fn in (("sparseconv_eager", fast), ("sparseconv_graph", graphed), ("torch_eager_fp32", net)):
+                row[f"{name}_us"] = time_forward_us(fn, x, repeat=args.repeat)
+                row[f"{name}_wall_us"] = host_us(fn, x, args.repeat, wait=True)
+            row["host_enqueue_us"] = host_us(fast, x, args.repeat, wait=False)
             y = fast(x).double()
             ref = net.double()(x.double())
             net.float()
