@@ -3,20 +3,22 @@ against the same model under a CUDA graph, and against PyTorch eager fp32.
 
 The README's figures are CUDA-graph replays. A user who follows the quick
 start without `cuda_graph=True` calls every kernel from Python, and each
-sparseconv call has host work (checks, DLPack views, the stream, CuPy's
-launch). Where that host work is longer than the kernel, the GPU waits on
-Python. This prints, per batch size, µs per forward (median of --repeat)
-for
+sparseconv call has host work (checks, the stream, the launch). Where that
+host work is longer than the kernel, the GPU waits on Python. This prints,
+per batch size, µs per forward (median of --repeat) for
 
-  sparseconv eager   sparsify(model, x) called as it is
-  sparseconv graph   the same model wrapped in CudaGraphModule
-  torch eager fp32   the model sparsify was given (same weights), cuDNN, TF32 off
+  sparseconv eager        sparsify(model, x) called as it is
+  sparseconv eager views  the same, each kernel launched as before session 35:
+                          CuPy views of the tensors through the kernel's checked call
+  sparseconv graph        the same model wrapped in CudaGraphModule
+  torch eager fp32        the model sparsify was given (same weights), cuDNN, TF32 off
 
 each timed two ways: between CUDA events (`*_us`), and as the wall time
 from the call to its result on the host (`*_wall_us`: perf_counter around
 the call and a synchronize, what a caller that reads the result waits);
-plus `host_enqueue_us`, the Python time of one eager sparseconv forward
-without waiting for the GPU. (Session 34's runs had only the first and the
+plus `host_enqueue_us` (`views_host_enqueue_us`), the Python time of one
+eager sparseconv forward without waiting for the GPU. The two eager launch
+paths are timed twice each, alternating, in one process (`*_rounds`). (Session 34's runs had only the first and the
 last, and the event time came out below the Python time, 3,946 against
 7,431 µs: events can only undercount a host-bound call, so the wall time
 decides.) It writes a cProfile of the eager forward (the 25 most expensive functions,
@@ -27,18 +29,20 @@ cumulative) next to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import pstats
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from sparseconv.benchmark.network import time_forward_us
 from sparseconv.dense import torch_flags
-from sparseconv.torch import CudaGraphModule, sparsify
+from sparseconv.torch import CudaGraphModule, FusedConv2d, sparsify
 from sparseconv.zoo_torch import build_network
 
 
@@ -58,6 +62,22 @@ def host_us(fn, x: torch.Tensor, repeat: int, *, wait: bool) -> float:
     torch.cuda.synchronize()
     times.sort()
     return times[len(times) // 2]
+
+
+@contextlib.contextmanager
+def launched_through_views(model: torch.nn.Module) -> Iterator[None]:
+    """Every conv kernel of `model` launched through CuPy views and its checked
+    call (FusedConv2d's path where launch_pointers does not serve), not on raw
+    pointers: the launch before session 35, to time beside it."""
+    kernels = [k for m in model.modules() if isinstance(m, FusedConv2d) for k in (m.kernel, m.table)
+               if k is not None and k.launches_pointers]
+    for k in kernels:
+        k.launches_pointers = False  # an instance attribute over the class's
+    try:
+        yield
+    finally:
+        for k in kernels:
+            del k.launches_pointers
 
 
 def main() -> None:
@@ -93,13 +113,23 @@ def main() -> None:
                 row[f"{name}_us"] = time_forward_us(fn, x, repeat=args.repeat)
                 row[f"{name}_wall_us"] = host_us(fn, x, args.repeat, wait=True)
             row["host_enqueue_us"] = host_us(fast, x, args.repeat, wait=False)
+            rounds: dict = {}
+            for _ in range(2):  # the two eager launch paths, alternating
+                for views in (False, True):
+                    prefix = "views_" if views else ""
+                    with launched_through_views(fast) if views else contextlib.nullcontext():
+                        for key, wait in (("wall_us", True), ("host_enqueue_us", False)):
+                            rounds.setdefault(prefix + key, []).append(host_us(fast, x, args.repeat, wait=wait))
+            for key, values in rounds.items():
+                row[key + "_rounds"] = values
             y = fast(x).double()
             ref = net.double()(x.double())
             net.float()
             row["eager_rel_l2_vs_float64"] = float((y - ref).norm() / ref.norm())
         results["rows"].append(row)
-        print(f"{args.network} batch {b}: " + ", ".join(f"{k} {v:,.1f}" if k.endswith("_us") else f"{k} {v:.1e}"
-                                                        for k, v in row.items() if k != "batch"), flush=True)
+        print(f"{args.network} batch {b}: " + ", ".join(
+            f"{k} {v:,.1f}" if k.endswith("_us") else f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in row.items() if k != "batch"), flush=True)
     x = torch.randn(batches[0], 3, 224, 224, device="cuda")
     prof = cProfile.Profile()
     with torch.no_grad():

@@ -23,6 +23,9 @@ there the ctypes marshalling (~5 us of Python a launch) is paid once, at
 capture; an eager call keeps CuPy's launch and its host cost.
 
     launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
+    launch_raw(function, grid, block, values, shared_mem, stream, device_id)
+                                  ctypes argument values on a raw stream handle
+                                  (the drop-in's eager calls: no CuPy arrays made)
 
 The switch: OVERLAP_LAUNCHES (environment SPARSECONV_OVERLAP_LAUNCHES=0 turns
 it off, read at import), checked at each launch.
@@ -174,15 +177,46 @@ def launch(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], args: S
     if not _overlaps(cupy.cuda.Device().id) or not _driver.capturing(stream):  # type: ignore[union-attr]
         function(grid, block, tuple(args), shared_mem=shared_mem)
         return
-    fn = getattr(function, "kernel", function)  # a RawKernel's compiled Function
-    values = c_args(args)
-    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
+    _launch_ex(function, grid, block, c_args(args), shared_mem, stream, overlap=True)
+
+
+def raw_launches(device_id: int) -> bool:
+    """Whether launch_raw can run on this GPU: the driver has cuLaunchKernelEx
+    (CUDA 12.0 and later; the CuPy we depend on needs a newer driver still)."""
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver.launch_ex is not None
+
+
+def launch_raw(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], values: Sequence[Any],
+               shared_mem: int, stream: int, device_id: int) -> None:
+    """Launch on the raw stream handle `stream` with `values` already ctypes
+    scalars (c_void_p for pointers), overlapping the kernel before it as
+    launch() does when the stream is capturing. For callers that hold device
+    pointers, not CuPy arrays (fx.FusedConv2d's eager calls): making the
+    arrays, the checks of the call contract and CuPy's stream objects cost
+    more host time than the kernel at batch 1. The caller makes `device_id`
+    the current device (the function belongs to its context); check
+    raw_launches first."""
+    assert _driver is not None and _driver.launch_ex is not None, "check raw_launches(device_id) first"
+    overlap = _overlaps(device_id) and _driver.capturing(stream)
+    _launch_ex(function, grid, block, values, shared_mem, stream, overlap)
+
+
+def _launch_ex(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], values: Sequence[Any],
+               shared_mem: int, stream: int, overlap: bool) -> None:
+    """cuLaunchKernelEx, with the programmatic attribute where `overlap`."""
     assert _driver is not None
+    fn = getattr(function, "kernel", function)  # a RawKernel's compiled Function
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
     config = launch_config(grid, block, shared_mem, stream, _driver.attribute)
+    if not overlap:
+        config.numAttrs = 0
     err = _driver.launch_ex(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
     if err != 0:
         msg = ctypes.c_char_p()
         _driver.error_string(err, ctypes.byref(msg))
         text = msg.value.decode() if msg.value else "unknown error"
-        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}); "
-                           f"set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap")
+        hint = "; set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap" if overlap else ""
+        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}){hint}")

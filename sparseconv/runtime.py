@@ -6,7 +6,8 @@ this module does not); the build side (sparseconv.build) never imports it.
     load_kernel(artifact, suffix, entry)   cubin or PTX -> cupy.RawModule + function
     CallContract(name, shape, residual, device_id)
                                            the checks of a conv kernel's call, shared by every family
-    Conv2dKernel(layer, bias)              the callable: kernel(x, out=None, stream=None) -> y
+    Conv2dKernel(layer, bias)              the callable: kernel(x, out=None, stream=None) -> y;
+                                           kernel.launch_pointers(...) the same launches, unchecked, on raw pointers
     LinearKernel(conv)                     a fully connected layer through a Conv2dKernel: (N, in) -> (N, out)
     DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
 
@@ -20,6 +21,7 @@ build prefers ptxas, and a PTX artifact is checked against the driver here
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ import numpy as np
 
 from .build import CompiledLayer
 from .dense import dense_conv2d
-from .launch import GRID_DEPENDENCY_CUDA, launch
+from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
 from .ptx import ptx_version
 from .shapes import ANY_BATCH, MAX_PATCH_BYTES, ConvShape, Target
 
@@ -155,17 +157,26 @@ extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float*
 _reduce_kernels: Dict[int, Any] = {}
 
 
-def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
-                  bounds: Tuple[Optional[float], Optional[float]] = (None, None)) -> None:
-    """y = the sum of ws's slices (ws: (slices,) + y.shape) in slice order, plus
-    residual, clamped to bounds (lo, hi; None for no bound), on the current stream."""
+def reduce_kernel(device_id: int) -> Any:
+    """sc_reduce_slices on this GPU, compiled on first use."""
     import cupy
 
     if device_id not in _reduce_kernels:
         _reduce_kernels[device_id] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices")
+    return _reduce_kernels[device_id]
+
+
+def reduce_grid(total: int) -> Tuple[int]:
+    return (min(-(-total // 256), 4096),)
+
+
+def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
+                  bounds: Tuple[Optional[float], Optional[float]] = (None, None)) -> None:
+    """y = the sum of ws's slices (ws: (slices,) + y.shape) in slice order, plus
+    residual, clamped to bounds (lo, hi; None for no bound), on the current stream."""
     lo, hi = bounds
     total = y.size
-    launch(_reduce_kernels[device_id], (min(-(-total // 256), 4096),), (256,),
+    launch(reduce_kernel(device_id), reduce_grid(total), (256,),
            (ws, y, residual if residual is not None else np.uint64(0), np.int64(total), np.int32(ws.shape[0]),
             np.int32(residual is not None), np.int32(lo is not None), np.float32(lo or 0.0),
             np.int32(hi is not None), np.float32(hi or 0.0)))
@@ -281,6 +292,46 @@ class CallContract:
         return r
 
 
+@dataclass(frozen=True)
+class PointerLaunch:
+    """One launch of a code-family conv call on raw pointers
+    (Conv2dKernel.launch_pointers): the conv kernel for `count` images from
+    byte offsets into x and out (and the residual, shaped as out), then,
+    where the reduction is split into a workspace, the ordered sum of its
+    slices with the epilogue (reduce_slices)."""
+
+    function: Any
+    grid: Tuple[int, ...]
+    block: Tuple[int, ...]
+    shared_mem: int
+    x_offset: int
+    out_offset: int
+    count: int
+    chunks: int
+    bias: int                       # device pointer
+    workspace: int                  # device pointer of the partial sums; 0: the kernel writes out
+    reduce: Any                     # sc_reduce_slices where workspace, else None
+    total: int                      # floats of out in these images
+    slices: int
+    bounds: Tuple[Optional[float], Optional[float]]
+
+    def run(self, x: int, out: int, residual: int, stream: int, device_id: int) -> None:
+        y = out + self.out_offset
+        res = residual + self.out_offset if residual else 0
+        target = self.workspace or y
+        launch_raw(self.function, self.grid, self.block,
+                   (ctypes.c_void_p(x + self.x_offset), ctypes.c_void_p(target), ctypes.c_void_p(self.bias),
+                    ctypes.c_void_p(res), ctypes.c_int32(self.count), ctypes.c_int32(self.chunks)),
+                   self.shared_mem, stream, device_id)
+        if self.workspace:
+            lo, hi = self.bounds
+            launch_raw(self.reduce, reduce_grid(self.total), (256,),
+                       (ctypes.c_void_p(self.workspace), ctypes.c_void_p(y), ctypes.c_void_p(res),
+                        ctypes.c_int64(self.total), ctypes.c_int32(self.slices), ctypes.c_int32(res != 0),
+                        ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0),
+                        ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0)), 0, stream, device_id)
+
+
 class Conv2dKernel:
     """A pruned conv layer compiled to a specialised kernel on one GPU.
 
@@ -300,6 +351,7 @@ class Conv2dKernel:
     calls of one kernel must not run concurrently on different streams."""
 
     backend = "sparseconv"
+    launches_pointers = True  # launch_pointers serves it (not DenseConv2dKernel's cuDNN call)
 
     def __init__(self, layer: Union[CompiledLayer, Sequence[Tuple[int, CompiledLayer]]],
                  bias: Optional[np.ndarray]) -> None:
@@ -330,6 +382,7 @@ class Conv2dKernel:
         # non-blocking one, which would not wait for the copy.
         cupy.cuda.get_current_stream().synchronize()
         self._workspace: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> partial sums of the slices
+        self._plans: Dict[int, Tuple[PointerLaunch, ...]] = {}  # batch -> launch_pointers' steps
         self.stats = dict(self.layer.stats)
         if len(variants) > 1:
             self.stats["variants"] = [{"up_to_batch": None if up_to == ANY_BATCH else up_to,
@@ -349,6 +402,48 @@ class Conv2dKernel:
         with self.contract.stream(stream):
             self._launch(x, out, residual)
         return out
+
+    def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:
+        """__call__'s launches for `batch` images on raw device pointers (residual
+        0 where the kernel adds none) and a raw stream handle, with no checks:
+        for a caller that has checked its tensors against output_shape and
+        contract (fx.FusedConv2d), on the current device, where
+        launch.raw_launches holds. CuPy's views and the contract's checks cost
+        ~100 us of host time a call, more than the kernels of a batch-1 forward
+        (bench/eager_forward.py, session 34)."""
+        plan = self._plans.get(batch)
+        if plan is None:
+            plan = self._plans[batch] = self._plan(batch)
+        for step in plan:
+            step.run(x, out, residual, stream, self.device_id)
+
+    def _plan(self, batch: int) -> Tuple[PointerLaunch, ...]:
+        """_launch's launches for `batch` images as PointerLaunch steps (what
+        does not change from call to call, computed once)."""
+        import cupy
+
+        index, layer, fn = self.variant(batch)
+        s = self.shape
+        in_bytes, out_bytes = 4 * s.in_channels * s.in_h * s.in_w, 4 * s.out_channels * s.out_h * s.out_w
+        step = layer.max_batch_per_launch
+        workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
+        lo, hi = self.epilogue.bounds
+        steps = []
+        for first in range(0, batch, step):
+            count = min(step, batch - first)
+            ws = 0
+            if workspace:
+                key = (index, count)
+                if key not in self._workspace:
+                    self._workspace[key] = cupy.empty((layer.tiling.slices, count) + self.output_shape(1)[1:],
+                                                      cupy.float32)
+                ws = self._workspace[key].data.ptr
+            steps.append(PointerLaunch(
+                fn, tuple(int(g) for g in layer.grid(count)), (layer.tiling.threads, 1, 1), layer.shared_bytes,
+                first * in_bytes, first * out_bytes, count, layer.chunks, self._bias.data.ptr, ws,
+                reduce_kernel(self.device_id) if workspace else None, count * out_bytes // 4,
+                layer.tiling.slices, (lo, hi)))
+        return tuple(steps)
 
     def variant(self, batch: int) -> Tuple[int, CompiledLayer, Any]:
         """(index, compiled layer, function) of the variant serving this batch size."""
@@ -398,6 +493,7 @@ class DenseConv2dKernel(Conv2dKernel):
     strict fp32 on the same stream."""
 
     backend = "dense"
+    launches_pointers = False  # torch's conv2d takes tensors: callers go through __call__
 
     def __init__(self, layer: CompiledLayer, bias: Optional[np.ndarray], weight: np.ndarray) -> None:
         super().__init__(layer, bias)

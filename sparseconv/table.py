@@ -30,12 +30,13 @@ at the store, as in the other families.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .launch import GRID_DEPENDENCY_CUDA, launch
+from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
 from .runtime import CallContract
 from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue
 
@@ -314,6 +315,7 @@ class TableConv2d:
     rule at batch 1 for the weight's nonzeros."""
 
     backend = "table"
+    launches_pointers = True
 
     def __init__(self, weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvShape,
                  epilogue: Epilogue = Epilogue(), tiling: Optional[TableTiling] = None, name: str = "conv") -> None:
@@ -358,6 +360,15 @@ class TableConv2d:
                    (x, self._entries, self._starts, self._bias,
                     residual if residual is not None else np.uint64(0), out), shared_mem=self._staged_bytes)
         return out
+
+    def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:
+        """__call__'s launch on raw device pointers and stream handle, with no
+        checks (runtime.Conv2dKernel.launch_pointers says for whom)."""
+        launch_raw(self._fn, table_grid(self.shape, self.tiling, batch), (32 * self.tiling.warps,),
+                   (ctypes.c_void_p(x), ctypes.c_void_p(self._entries.data.ptr),
+                    ctypes.c_void_p(self._starts.data.ptr), ctypes.c_void_p(self._bias.data.ptr),
+                    ctypes.c_void_p(residual), ctypes.c_void_p(out)),
+                   self._staged_bytes, stream, self.device_id)
 
     def __repr__(self) -> str:
         return (f"TableConv2d({self.name}: {self.shape.describe()}, {self.stats['nonzero_weights']}/"

@@ -89,3 +89,43 @@ def test_overlapped_launches_give_the_same_outputs(tmp_path, graph, monkeypatch)
         assert relative_l2(y, ref) <= 1e-5
         outputs[overlap] = y
     assert np.array_equal(outputs[False], outputs[True])
+
+
+def test_pointer_launches_equal_the_checked_call(tmp_path):
+    """launch_pointers (the drop-in's eager path: raw pointers and stream
+    handle, no CuPy views, no checks) launches what __call__ launches: a code
+    kernel whose batch-1 variant sums its split reduction through the
+    workspace and the reduction kernel, residual and ReLU fused, and a table
+    kernel with a residual, at batch 1 and 3; bit for bit against __call__
+    and within 1e-5 of float64."""
+    import cupy as cp
+    from dataclasses import replace
+
+    from sparseconv.shapes import ANY_BATCH, variant_for_batch
+    from sparseconv.table import TableConv2d
+
+    rng = np.random.default_rng()
+    s = ConvShape(512, 128, 7, 7, 3, 3, padding=(1, 1))
+    w = pruned_weight(rng, s.weight_shape, 0.9)
+    bias = rng.standard_normal(s.out_channels).astype(np.float32)
+    split = replace(variant_for_batch(s, 1), slice_sum="kernel")
+    assert split.slices > 1
+    code = sparseconv.compile_conv2d(w, input_size=(7, 7), bias=bias, padding=1, activation="relu", residual=True,
+                                     tiling=split, cache_dir=str(tmp_path), name="split")
+    table = TableConv2d(w, bias, s, Epilogue("relu", residual=True), name="table")
+    assert code.launches_pointers and table.launches_pointers and launch_mod.raw_launches(cp.cuda.Device().id)
+    assert code.variant(1)[1].tiling.slices > 1 and code.variant(ANY_BATCH)[1].tiling.slices > 1
+    stream = cp.cuda.Stream(non_blocking=True)
+    for batch in (1, 3):
+        x = cp.asarray(rng.standard_normal((batch, 512, 7, 7)).astype(np.float32))
+        r = cp.asarray(rng.standard_normal((batch, 128, 7, 7)).astype(np.float32))
+        ref = np.maximum(conv2d_reference(x.get(), w, bias, (1, 1), (1, 1)) + r.get(), 0)
+        for kernel in (code, table):
+            checked = kernel(x, out=cp.full((batch, 128, 7, 7), np.nan, cp.float32), residual=r)
+            raw = cp.full((batch, 128, 7, 7), np.nan, cp.float32)
+            cp.cuda.get_current_stream().synchronize()
+            with cp.cuda.Device(x.device.id):
+                kernel.launch_pointers(x.data.ptr, raw.data.ptr, r.data.ptr, batch, stream.ptr)
+            stream.synchronize()
+            assert relative_l2(raw.get(), ref) <= 1e-5, kernel
+            assert bool((raw.view(cp.uint32) == checked.view(cp.uint32)).all()), kernel
