@@ -34,6 +34,28 @@ def test_cold_timing_runs_the_preparation_first_and_subtracts_it(monkeypatch):
     assert t.us == t.graph_us == 7.5 and t.events_us == 7.5 and t.method == "graph"
 
 
+def test_a_cold_time_lost_in_the_flushs_spread_gives_the_hot_time(monkeypatch):
+    """[flush, layer] timed below [flush] alone (the spread of a long flush
+    over a kernel of a few us): the layer's hot time, not 0, which would
+    win every tuning."""
+    figures = iter([39.0, 40.0, 2.5])  # [flush, layer], [flush], [layer]
+    timed = []
+
+    def fake_time_gpu(launch, *, repeat, max_seconds, capture):
+        timed.append(launch)
+        us = next(figures)
+        return Timing(us, "graph", us, 3.0, us, 4, note="")
+
+    monkeypatch.setattr(timing, "time_gpu", fake_time_gpu)
+
+    def layer():
+        pass
+
+    t = time_cold(layer, lambda: None, repeat=5, max_seconds=0.1, capture=None)
+    assert timed[-1] is layer and len(timed) == 3
+    assert t.us == 2.5 and "hot time given" in t.note
+
+
 def test_l2_flush_overwrites_the_scratch_and_leaves_the_inputs():
     """The real helper on NumPy arrays (same fill / max interface as CuPy)."""
     scratch = np.zeros(1000, np.float32)
