@@ -258,9 +258,9 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     for a model torch.fx cannot trace a copy with its convs swapped (the model
     itself with inplace=True). cuda_graph=True wraps it in a CudaGraphModule:
     one CUDA graph per input shape, replayed on later calls (see its doc).
-    Without it each kernel is launched from Python, and the GPU waits on the
-    host (ResNet-50 at batch 1 on an H100: at least 7.4 ms a forward, the
-    Python time alone, against 0.40 replayed; bench/eager_forward.py).
+    Without it each kernel is launched from Python, and at batch 1 the GPU
+    waits on the host (ResNet-50 on an H100: 1.8-2.2 ms a forward from call
+    to result, against 0.41 replayed; bench/eager_forward.py, session 35).
     `result.sparseconv_plan` lists every conv: action ("sparseconv", "dense"
     or "kept"), what was fused into it, and why.
 
