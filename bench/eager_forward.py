@@ -8,8 +8,8 @@ host work is longer than the kernel, the GPU waits on Python. This prints,
 per batch size, µs per forward (median of --repeat) for
 
   sparseconv eager        sparsify(model, x) called as it is
-  sparseconv eager views  the same, each kernel launched as before session 35:
-                          CuPy views of the tensors through the kernel's checked call
+  sparseconv eager views  the same, each conv, max pool and dense gemv launched as
+                          before session 35: CuPy views through the kernels' checked calls
   sparseconv graph        the same model wrapped in CudaGraphModule
   torch eager fp32        the model sparsify was given (same weights), cuDNN, TF32 off
 
@@ -42,7 +42,8 @@ import torch
 
 from sparseconv.benchmark.network import time_forward_us
 from sparseconv.dense import torch_flags
-from sparseconv.torch import CudaGraphModule, FusedConv2d, sparsify
+from sparseconv import fx
+from sparseconv.torch import CudaGraphModule, sparsify
 from sparseconv.zoo_torch import build_network
 
 
@@ -65,19 +66,15 @@ def host_us(fn, x: torch.Tensor, repeat: int, *, wait: bool) -> float:
 
 
 @contextlib.contextmanager
-def launched_through_views(model: torch.nn.Module) -> Iterator[None]:
-    """Every conv kernel of `model` launched through CuPy views and its checked
-    call (FusedConv2d's path where launch_pointers does not serve), not on raw
-    pointers: the launch before session 35, to time beside it."""
-    kernels = [k for m in model.modules() if isinstance(m, FusedConv2d) for k in (m.kernel, m.table)
-               if k is not None and k.launches_pointers]
-    for k in kernels:
-        k.launches_pointers = False  # an instance attribute over the class's
+def launched_through_views() -> Iterator[None]:
+    """Every conv, max pool and dense gemv of a sparsified model launched
+    through CuPy views and the kernels' checked calls (fx.POINTER_LAUNCHES
+    off), not on raw pointers: the launch before session 35, to time beside it."""
+    fx.POINTER_LAUNCHES = False
     try:
         yield
     finally:
-        for k in kernels:
-            del k.launches_pointers
+        fx.POINTER_LAUNCHES = True
 
 
 def main() -> None:
@@ -117,7 +114,7 @@ def main() -> None:
             for _ in range(2):  # the two eager launch paths, alternating
                 for views in (False, True):
                     prefix = "views_" if views else ""
-                    with launched_through_views(fast) if views else contextlib.nullcontext():
+                    with launched_through_views() if views else contextlib.nullcontext():
                         for key, wait in (("wall_us", True), ("host_enqueue_us", False)):
                             rounds.setdefault(prefix + key, []).append(host_us(fast, x, args.repeat, wait=wait))
             for key, values in rounds.items():

@@ -24,12 +24,13 @@ butterfly, the warps of a row in order).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from .launch import GRID_DEPENDENCY_CUDA, launch
+from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
 
 # Images a launch serves: each keeps one partial sum a lane and reads x once
 # per weight load; beyond a few images a GEMM reuses the weights better.
@@ -215,8 +216,6 @@ def gemv_supported(batch: int, in_features: int, x_ptr: int, w_ptr: int) -> bool
 def linear_gemv(device_id: int, x: Any, w: Any, bias: Any, y: Any, variant: GemvVariant = GemvVariant()) -> None:
     """y = x @ w.T + bias on the current stream, CuPy float32 C-contiguous
     arrays: x (N, in), w (out, in), bias (out,), y (N, out), N <= MAX_GEMV_BATCH."""
-    import cupy
-
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"gemv: x and w must be 2-D, (N, in_features) and (out_features, in_features); got "
                          f"shapes {tuple(x.shape)} and {tuple(w.shape)}")
@@ -231,14 +230,36 @@ def linear_gemv(device_id: int, x: Any, w: Any, bias: Any, y: Any, variant: Gemv
     if not gemv_supported(n, in_features, x.data.ptr, w.data.ptr):
         raise ValueError(f"gemv: needs 1..{MAX_GEMV_BATCH} images, in_features % 4 == 0 and 16-byte aligned "
                          f"arrays; got {n} images, {in_features} features")
-    key = (device_id, n, variant)
-    if key not in _kernels:
-        _kernels[key] = cupy.RawKernel(gemv_source(n, variant), "sc_gemv")
+    fn = _gemv_kernel(device_id, n, variant)
     if y.size == 0:
         return
-    blocks = -(-out_features // (WARPS_PER_BLOCK // variant.split))
-    launch(_kernels[key], (blocks,), (WARPS_PER_BLOCK * 32,),
+    launch(fn, _gemv_grid(out_features, variant), (WARPS_PER_BLOCK * 32,),
            (x, w, bias, y, np.int32(in_features), np.int32(out_features)))
+
+
+def linear_gemv_pointers(device_id: int, x: int, w: int, bias: int, y: int, batch: int, in_features: int,
+                         out_features: int, stream: int) -> None:
+    """linear_gemv on raw device pointers and a raw stream handle, unchecked:
+    for a caller that checked its tensors and gemv_supported
+    (fx.GemvLinear's eager calls; launch.launch_raw says why), on the
+    current device."""
+    variant = GemvVariant()
+    launch_raw(_gemv_kernel(device_id, batch, variant), _gemv_grid(out_features, variant), (WARPS_PER_BLOCK * 32,),
+               (ctypes.c_void_p(x), ctypes.c_void_p(w), ctypes.c_void_p(bias), ctypes.c_void_p(y),
+                ctypes.c_int32(in_features), ctypes.c_int32(out_features)), 0, stream, device_id)
+
+
+def _gemv_kernel(device_id: int, batch: int, variant: GemvVariant) -> Any:
+    import cupy
+
+    key = (device_id, batch, variant)
+    if key not in _kernels:
+        _kernels[key] = cupy.RawKernel(gemv_source(batch, variant), "sc_gemv")
+    return _kernels[key]
+
+
+def _gemv_grid(out_features: int, variant: GemvVariant) -> Tuple[int]:
+    return (-(-out_features // (WARPS_PER_BLOCK // variant.split)),)
 
 
 # -- pruned layers: the nonzero weights as (column, value) entries -------------------------------------------------

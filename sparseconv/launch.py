@@ -20,7 +20,10 @@ launches are CuPy's: the switch off, a GPU older than sm_90, a driver
 without cuLaunchKernelEx, or a stream that is not capturing a CUDA graph.
 Only a graph runs kernels back to back without the host in between, and
 there the ctypes marshalling (~5 us of Python a launch) is paid once, at
-capture; an eager call keeps CuPy's launch and its host cost.
+capture; an eager call through launch() keeps CuPy's launch. launch_raw
+always goes through cuLaunchKernelEx (the attribute only when capturing):
+its callers hold raw pointers, and skipping CuPy's arrays saves more host
+time than the marshalling costs.
 
     launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
     launch_raw(function, grid, block, values, shared_mem, stream, device_id)
@@ -97,17 +100,20 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int
 
 def c_args(args: Sequence[Any]) -> List[Any]:
     """ctypes values for kernel arguments, as CuPy passes them: a CUDA array
-    as its device pointer, a NumPy scalar as its own type."""
+    as its device pointer, a NumPy scalar as its own type; a ctypes value
+    (a raw pointer as c_void_p) as it is."""
     out: List[Any] = []
     for a in args:
         ptr = getattr(getattr(a, "data", None), "ptr", None)
-        if isinstance(ptr, int):
+        if isinstance(a, ctypes._SimpleCData):
+            out.append(a)
+        elif isinstance(ptr, int):
             out.append(ctypes.c_void_p(ptr))
         elif isinstance(a, np.generic) and a.dtype in _SCALARS:
             out.append(_SCALARS[a.dtype](a.item()))
         else:
-            raise TypeError(f"launch: a kernel argument must be a CuPy array or a NumPy int32, int64, uint64 "
-                            f"or float32 scalar, got {type(a).__name__}")
+            raise TypeError(f"launch: a kernel argument must be a CuPy array, a NumPy int32, int64, uint64 "
+                            f"or float32 scalar, or a ctypes value, got {type(a).__name__}")
     return out
 
 

@@ -11,10 +11,11 @@ window propagates, padding never wins.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .launch import GRID_DEPENDENCY_CUDA, launch
+from .launch import GRID_DEPENDENCY_CUDA, c_args, launch, launch_raw
 from .shapes import pair
 
 IntPair = Tuple[int, int]
@@ -156,14 +157,37 @@ def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: Int
     `flat` picks the kernel: one loop over the tensor's outputs
     (sc_max_pool2d_flat, the default below 2^31 outputs) or a block a plane
     (sc_max_pool2d); bench/pool_bench.py times both."""
+    if y.size == 0:
+        return
+    fn, grid, block, size = _pool_launch(device_id, tuple(x.shape), tuple(y.shape[2:]), kernel, stride,
+                                         pad_top_left, dilation, flat)
+    launch(fn, grid, block, (x, y, size))
+
+
+def max_pool2d_pointers(device_id: int, x: int, y: int, x_shape: Tuple[int, int, int, int], pool: MaxPoolShape,
+                        stream: int) -> None:
+    """max_pool2d on raw device pointers (x of x_shape, y sized by
+    pool.output_size) and a raw stream handle, unchecked: for a caller that
+    made y itself (fx.IndexFreeMaxPool2d's eager calls; launch.launch_raw
+    says why), on the current device."""
+    out_hw = pool.output_size(x_shape[2], x_shape[3])
+    if x_shape[0] * x_shape[1] == 0:
+        return
+    fn, grid, block, size = _pool_launch(device_id, x_shape, out_hw, pool.kernel, pool.stride, pool.padding,
+                                         pool.dilation, None)
+    launch_raw(fn, grid, block, c_args((ctypes.c_void_p(x), ctypes.c_void_p(y), size)), 0, stream, device_id)
+
+
+def _pool_launch(device_id: int, x_shape: Tuple[int, ...], out_hw: Tuple[int, ...], kernel: IntPair,
+                 stride: IntPair, pad_top_left: IntPair, dilation: IntPair,
+                 flat: Optional[bool]) -> Tuple[Any, Tuple[int, ...], Tuple[int, ...], Any]:
+    """(kernel, grid, block, its size argument) of one pool launch (launch_max_pool says which kernel)."""
     import cupy
     import numpy as np
 
-    n, c, in_h, in_w = x.shape
-    out_h, out_w = y.shape[2:]
+    n, c, in_h, in_w = x_shape
+    out_h, out_w = out_hw
     sizes = tuple(kernel), tuple(stride), tuple(pad_top_left), tuple(dilation), (in_h, in_w), (out_h, out_w)
-    if y.size == 0:
-        return
     outputs = n * c * out_h * out_w
     if flat and outputs >= 2**31:
         raise ValueError(f"max pool: sc_max_pool2d_flat indexes outputs in 32 bits, got {outputs}")
@@ -173,9 +197,8 @@ def launch_max_pool(device_id: int, x: Any, y: Any, kernel: IntPair, stride: Int
     if key not in _kernels:
         _kernels[key] = cupy.RawKernel(pool_source(*sizes), name)
     if flat:
-        launch(_kernels[key], (-(-outputs // 256),), (256,), (x, y, np.int32(outputs)))
-        return
+        return _kernels[key], (-(-outputs // 256),), (256,), np.int32(outputs)
     # Up to 256 threads per plane, fewer for smaller planes.
     threads = min(256, 32 * -(-(out_h * out_w) // 32))
-    launch(_kernels[key], (min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,),
-           (x, y, np.int64(n * c)))
+    return (_kernels[key], (min(-(-(out_h * out_w) // threads), 1024), min(n * c, 65535)), (threads,),
+            np.int64(n * c))

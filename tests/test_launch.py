@@ -70,15 +70,17 @@ class _FakeArray:
 
 
 def test_c_args_passes_arrays_as_pointers_and_numpy_scalars_as_their_type():
-    vals = c_args([_FakeArray(), np.int32(-3), np.int64(1 << 40), np.uint64(0), np.float32(0.5)])
+    raw = ctypes.c_void_p(0x7F00_0000_2000)  # a raw pointer (the drop-in's eager launches): passed as it is
+    vals = c_args([_FakeArray(), np.int32(-3), np.int64(1 << 40), np.uint64(0), np.float32(0.5), raw])
     assert [type(v) for v in vals] == [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64,
-                                       ctypes.c_float]
-    assert [v.value for v in vals] == [0x7F00_0000_1000, -3, 1 << 40, 0, 0.5]
+                                       ctypes.c_float, ctypes.c_void_p]
+    assert [v.value for v in vals] == [0x7F00_0000_1000, -3, 1 << 40, 0, 0.5, 0x7F00_0000_2000]
+    assert vals[-1] is raw
 
 
 @pytest.mark.parametrize("bad", [3, 0.5, np.float64(1.0), None])
 def test_c_args_refuses_what_cupy_would_pass_differently(bad):
-    with pytest.raises(TypeError, match="a kernel argument must be a CuPy array or a NumPy int32"):
+    with pytest.raises(TypeError, match="a kernel argument must be a CuPy array, a NumPy int32"):
         c_args([bad])
 
 
