@@ -832,7 +832,8 @@ _ADDS = (operator.add, operator.iadd, torch.add)
 def _residual_operand(node: fx.Node, value: fx.Node) -> Optional[fx.Node]:
     """The other tensor when `node` is value + other (operator.add/iadd,
     torch.add, Tensor.add/add_ without alpha), else None."""
-    if node.op == "call_function" and node.target in _ADDS or node.op == "call_method" and node.target in ("add", "add_"):
+    if node.op == "call_function" and node.target in _ADDS \
+            or node.op == "call_method" and node.target in ("add", "add_"):
         if node.kwargs or len(node.args) != 2:
             return None                      # alpha=, out=: not a plain add
         a, b = node.args
@@ -947,7 +948,8 @@ def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: floa
         error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
         plans = plan(model, example_input, min_sparsity, dtypes, linear)
         single = isinstance(model, nn.Conv2d) or isinstance(model, nn.Linear) and linear.enabled
-        note = (f"the model is one nn.{'Linear' if isinstance(model, nn.Linear) else 'Conv2d'}: swapped whole" if single else
+        kind = "Linear" if isinstance(model, nn.Linear) else "Conv2d"
+        note = (f"the model is one nn.{kind}: swapped whole" if single else
                 f"not traceable by torch.fx ({error}): per-module swap, nothing fused")
         convs = swap_modules(model, plans)
         if single and convs:

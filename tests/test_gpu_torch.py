@@ -212,7 +212,8 @@ def test_cuda_graph_replays_equal_eager_results_on_fresh_inputs(session_cache_di
         for batch in (4, 4, 9, 4):  # the second call of a shape replays; a new shape captures again
             x = torch.randn(batch, 3, 16, 16, device="cuda")
             y = graphed(x)
-            torch.testing.assert_close(y, eager(x), rtol=1e-6, atol=1e-6)  # cuBLAS may pick another algorithm in a graph
+            # cuBLAS may pick another algorithm in a graph
+            torch.testing.assert_close(y, eager(x), rtol=1e-6, atol=1e-6)
             assert relative_l2(y.cpu().numpy(), _float64_output(net, x).cpu().numpy()) <= 1e-5
             outputs.append((x, y))
         assert sorted(graphed.captured_shapes()) == [(4, 3, 16, 16), (9, 3, 16, 16)]
