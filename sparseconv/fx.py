@@ -26,9 +26,9 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
-from .launch import raw_launches
 from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, linear_gemv_pointers, linear_sparse_gemv,
                    sparse_gemv_takes, sparse_rows)
+from .launch import raw_launches
 from .pool import MaxPoolShape, max_pool2d, max_pool2d_pointers
 from .shapes import ConvShape, shape_from_weight
 

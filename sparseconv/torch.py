@@ -29,8 +29,7 @@ from torch import nn
 
 from .api import compile_layers
 from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearOptions, SparseGemvLinear, conv_padding,
-                 plan, prepare, skip_identity_pools, swap_dense_linears, swap_max_pools,
-                 swap_modules)
+                 plan, prepare, skip_identity_pools, swap_dense_linears, swap_max_pools, swap_modules)
 from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
