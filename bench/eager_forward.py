@@ -8,41 +8,38 @@ host work is longer than the kernel, the GPU waits on Python. This prints,
 per batch size, µs per forward (median of --repeat) for
 
   sparseconv eager        sparsify(model, x) called as it is
-  sparseconv eager views  the same, each conv, max pool and dense gemv launched as
-                          before session 35: CuPy views through the kernels' checked calls
   sparseconv graph        the same model wrapped in CudaGraphModule
   torch eager fp32        the model sparsify was given (same weights), cuDNN, TF32 off
 
 each timed two ways: between CUDA events (`*_us`), and as the wall time
 from the call to its result on the host (`*_wall_us`: perf_counter around
 the call and a synchronize, what a caller that reads the result waits);
-plus `host_enqueue_us` (`views_host_enqueue_us`), the Python time of one
-eager sparseconv forward without waiting for the GPU. The two eager launch
-paths are timed twice each, alternating, in one process (`*_rounds`). (Session 34's runs had only the first and the
-last, and the event time came out below the Python time, 3,946 against
-7,431 µs: events can only undercount a host-bound call, so the wall time
-decides.) It writes a cProfile of the eager forward (the 25 most expensive functions,
-cumulative) next to --out.
+plus `host_enqueue_us`, the Python time of one eager sparseconv forward
+without waiting for the GPU; both again in three more rounds
+(`*_rounds`), for the spread within the process. (In session 34's runs the
+event time came out below the Python time, 3,946 against 7,431 µs: events
+can only undercount a host-bound call, so the wall time decides.) It
+writes a cProfile of the eager forward (the 25 most expensive functions,
+cumulative) next to --out. Session 35 also timed the launch through CuPy
+views beside the raw-pointer launch in one process (runs r, s, u); that
+path is gone since session 36: compare trees with bench/tree_ab.py.
 
     python bench/eager_forward.py resnet50 --batch 1 --batch 64 --out eager.json
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
 import pstats
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from sparseconv.benchmark.network import time_forward_us
 from sparseconv.dense import torch_flags
-from sparseconv import fx
 from sparseconv.torch import CudaGraphModule, sparsify
 from sparseconv.zoo_torch import build_network
 
@@ -63,18 +60,6 @@ def host_us(fn, x: torch.Tensor, repeat: int, *, wait: bool) -> float:
     torch.cuda.synchronize()
     times.sort()
     return times[len(times) // 2]
-
-
-@contextlib.contextmanager
-def launched_through_views() -> Iterator[None]:
-    """Every conv, max pool and dense gemv of a sparsified model launched
-    through CuPy views and the kernels' checked calls (fx.POINTER_LAUNCHES
-    off), not on raw pointers: the launch before session 35, to time beside it."""
-    fx.POINTER_LAUNCHES = False
-    try:
-        yield
-    finally:
-        fx.POINTER_LAUNCHES = True
 
 
 def main() -> None:
@@ -111,12 +96,9 @@ def main() -> None:
                 row[f"{name}_wall_us"] = host_us(fn, x, args.repeat, wait=True)
             row["host_enqueue_us"] = host_us(fast, x, args.repeat, wait=False)
             rounds: dict = {}
-            for _ in range(2):  # the two eager launch paths, alternating
-                for views in (False, True):
-                    prefix = "views_" if views else ""
-                    with launched_through_views() if views else contextlib.nullcontext():
-                        for key, wait in (("wall_us", True), ("host_enqueue_us", False)):
-                            rounds.setdefault(prefix + key, []).append(host_us(fast, x, args.repeat, wait=wait))
+            for _ in range(3):
+                for key, wait in (("wall_us", True), ("host_enqueue_us", False)):
+                    rounds.setdefault(key, []).append(host_us(fast, x, args.repeat, wait=wait))
             for key, values in rounds.items():
                 row[key + "_rounds"] = values
             y = fast(x).double()

@@ -26,10 +26,9 @@ from torch import fx, nn
 
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_shape
 from .dense import fold_batchnorm as fold_arrays, torch_flags
-from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, linear_gemv_pointers, linear_sparse_gemv,
+from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv_pointers, linear_sparse_gemv,
                    sparse_gemv_takes, sparse_rows)
-from .launch import raw_launches
-from .pool import MaxPoolShape, max_pool2d, max_pool2d_pointers
+from .pool import MaxPoolShape, max_pool2d_pointers
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -93,18 +92,6 @@ def cupy_view(t: torch.Tensor) -> Any:
     # The device id given: CuPy then skips asking the driver where the pointer lives.
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
     return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
-
-
-# Eager calls of the drop-in's convs, max pools and dense gemvs launch on raw
-# pointers and torch's stream handle (launch.launch_raw), not through CuPy views
-# and the kernels' checked calls: 2.1x faster a ResNet-50 forward at batch 1
-# (session 35). bench/eager_forward.py turns it off to time the two side by side.
-POINTER_LAUNCHES = True
-
-
-def pointer_launches(device_index: int) -> bool:
-    """Whether eager calls on this GPU launch on raw pointers (POINTER_LAUNCHES, and the driver can)."""
-    return POINTER_LAUNCHES and raw_launches(device_index)
 
 
 # torch's current stream as its raw handle, without making a torch.cuda.Stream
@@ -261,9 +248,9 @@ class FusedConv2d(_KernelNode):
             return out
         # On torch's current stream: no sync, no copy, and so capturable in a CUDA graph.
         with cupy.cuda.Device(x.device.index):
-            if kernel.launches_pointers and pointer_launches(x.device.index):
-                # Checked above: the pointers and stream handle alone, no CuPy views
-                # (ResNet-50 eagerly at batch 1: ~100 us of host time a conv with them).
+            if kernel.launches_pointers:
+                # Checked above: the pointers and stream handle alone, no CuPy views and no second
+                # checks (ResNet-50 eagerly at batch 1: ~100 us of host time a conv with them, session 35).
                 kernel.launch_pointers(x.data_ptr(), out.data_ptr(), 0 if residual is None else residual.data_ptr(),
                                        x.shape[0], torch_stream_handle(x.device))
             else:
@@ -369,13 +356,9 @@ class IndexFreeMaxPool2d(nn.Module):
         out = torch.empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]), dtype=torch.float32, device=x.device)
         if out.numel():  # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
             index = x.device.index
-            with cupy.cuda.Device(index):
-                if pointer_launches(index):
-                    max_pool2d_pointers(index, x.data_ptr(), out.data_ptr(), tuple(x.shape), s,
-                                        torch_stream_handle(x.device))
-                else:
-                    with on_torch_stream(x.device, self.layer_name):
-                        max_pool2d(index, cupy_view(x), cupy_view(out), s)
+            with cupy.cuda.Device(index):  # on raw pointers, as FusedConv2d's kernels
+                max_pool2d_pointers(index, x.data_ptr(), out.data_ptr(), tuple(x.shape), s,
+                                    torch_stream_handle(x.device))
         return out
 
     def extra_repr(self) -> str:
@@ -473,13 +456,9 @@ class GemvLinear(nn.Module):
         index = x.device.index
         bias = bias.detach().contiguous()
         # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
-        with cupy.cuda.Device(index):
-            if pointer_launches(index):  # checked above: dtypes, devices, sizes, alignment
-                linear_gemv_pointers(index, x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                     self.in_features, self.out_features, torch_stream_handle(x.device))
-            else:
-                with on_torch_stream(x.device, self.layer_name):
-                    linear_gemv(index, cupy_view(x), cupy_view(w.detach()), cupy_view(bias), cupy_view(out))
+        with cupy.cuda.Device(index):  # on raw pointers, checked above: dtypes, devices, sizes, alignment
+            linear_gemv_pointers(index, x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), x.shape[0],
+                                 self.in_features, self.out_features, torch_stream_handle(x.device))
         return out
 
     def extra_repr(self) -> str:

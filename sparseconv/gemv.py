@@ -230,20 +230,21 @@ def linear_gemv(device_id: int, x: Any, w: Any, bias: Any, y: Any, variant: Gemv
     if not gemv_supported(n, in_features, x.data.ptr, w.data.ptr):
         raise ValueError(f"gemv: needs 1..{MAX_GEMV_BATCH} images, in_features % 4 == 0 and 16-byte aligned "
                          f"arrays; got {n} images, {in_features} features")
-    fn = _gemv_kernel(device_id, n, variant)
     if y.size == 0:
         return
-    launch(fn, _gemv_grid(out_features, variant), (WARPS_PER_BLOCK * 32,),
-           (x, w, bias, y, np.int32(in_features), np.int32(out_features)))
+    import cupy
+
+    linear_gemv_pointers(device_id, x.data.ptr, w.data.ptr, bias.data.ptr, y.data.ptr, n, in_features, out_features,
+                         cupy.cuda.get_current_stream().ptr, variant)
 
 
 def linear_gemv_pointers(device_id: int, x: int, w: int, bias: int, y: int, batch: int, in_features: int,
-                         out_features: int, stream: int) -> None:
-    """linear_gemv on raw device pointers and a raw stream handle, unchecked:
-    for a caller that checked its tensors and gemv_supported
-    (fx.GemvLinear's eager calls; launch.launch_raw says why), on the
+                         out_features: int, stream: int, variant: GemvVariant = GemvVariant()) -> None:
+    """The launch on raw device pointers and a raw stream handle, unchecked:
+    what linear_gemv runs once it has checked its arrays, and what a caller
+    that checked its tensors and gemv_supported calls directly
+    (fx.GemvLinear's eager calls; sparseconv.launch's doc says why), on the
     current device."""
-    variant = GemvVariant()
     launch_raw(_gemv_kernel(device_id, batch, variant), _gemv_grid(out_features, variant), (WARPS_PER_BLOCK * 32,),
                (ctypes.c_void_p(x), ctypes.c_void_p(w), ctypes.c_void_p(bias), ctypes.c_void_p(y),
                 ctypes.c_int32(in_features), ctypes.c_int32(out_features)), 0, stream, device_id)

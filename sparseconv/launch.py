@@ -15,20 +15,23 @@ GRID_DEPENDENCY_CUDA's two macros:
     SC_LET_NEXT_KERNEL_START()      right after it: the next kernel may be scheduled now
 
 Before the wait a kernel may read only what no kernel writes: its weights,
-its table, its bias. Where the attribute is not set, both are no-ops and
-launches are CuPy's: the switch off, a GPU older than sm_90, a driver
-without cuLaunchKernelEx, or a stream that is not capturing a CUDA graph.
-Only a graph runs kernels back to back without the host in between, and
-there the ctypes marshalling (~5 us of Python a launch) is paid once, at
-capture; an eager call through launch() keeps CuPy's launch. launch_raw
-always goes through cuLaunchKernelEx (the attribute only when capturing):
-its callers hold raw pointers, and skipping CuPy's arrays saves more host
-time than the marshalling costs.
+its table, its bias. Where the attribute is not set, both are no-ops: the
+switch off, a GPU older than sm_90, or a stream that is not capturing a CUDA
+graph (only a graph runs kernels back to back without the host in between).
 
-    launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream
+Every launch goes through cuLaunchKernelEx (the attribute only when
+capturing), called through ctypes: one path for the checked calls on CuPy
+arrays and for the drop-in's eager calls on raw pointers, which skip CuPy's
+arrays because at batch 1 they cost more host time than the kernels
+(session 35).
+
+    launch(function, grid, block, args, shared_mem=0)   on CuPy's current stream, CuPy arrays
+                                                        and NumPy scalars as arguments
     launch_raw(function, grid, block, values, shared_mem, stream, device_id)
                                   ctypes argument values on a raw stream handle
-                                  (the drop-in's eager calls: no CuPy arrays made)
+    PreparedLaunch(function, grid, block, shared_mem, values, device_id)(stream, *new_values)
+                                  the same, made once and called at each forward
+                                  (the kernels' launch_pointers: the drop-in's eager calls)
 
 The switch: OVERLAP_LAUNCHES (environment SPARSECONV_OVERLAP_LAUNCHES=0 turns
 it off, read at import), checked at each launch.
@@ -173,56 +176,71 @@ def _overlaps(device_id: int) -> bool:
 
 def launch(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], args: Sequence[Any],
            shared_mem: int = 0) -> None:
-    """Launch a CuPy RawKernel or module Function on CuPy's current stream,
-    overlapping the kernel before it where the GPU can and a CUDA graph is
-    being captured (see the module doc). Its source must use
-    GRID_DEPENDENCY_CUDA's macros."""
+    """Launch a CuPy RawKernel or module Function on CuPy's current stream and
+    device, `args` as c_args takes them, overlapping the kernel before it
+    where the GPU can and a CUDA graph is being captured (see the module
+    doc). Its source must use GRID_DEPENDENCY_CUDA's macros."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream().ptr
-    if not _overlaps(cupy.cuda.Device().id) or not _driver.capturing(stream):  # type: ignore[union-attr]
-        function(grid, block, tuple(args), shared_mem=shared_mem)
-        return
-    _launch_ex(function, grid, block, c_args(args), shared_mem, stream, overlap=True)
-
-
-def raw_launches(device_id: int) -> bool:
-    """Whether launch_raw can run on this GPU: the driver has cuLaunchKernelEx
-    (CUDA 12.0 and later; the CuPy we depend on needs a newer driver still)."""
-    global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver.launch_ex is not None
+    launch_raw(function, grid, block, c_args(args), shared_mem, cupy.cuda.get_current_stream().ptr,
+               cupy.cuda.Device().id)
 
 
 def launch_raw(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], values: Sequence[Any],
                shared_mem: int, stream: int, device_id: int) -> None:
     """Launch on the raw stream handle `stream` with `values` already ctypes
-    scalars (c_void_p for pointers), overlapping the kernel before it as
-    launch() does when the stream is capturing. For callers that hold device
-    pointers, not CuPy arrays (fx.FusedConv2d's eager calls): making the
-    arrays, the checks of the call contract and CuPy's stream objects cost
-    more host time than the kernel at batch 1. The caller makes `device_id`
-    the current device (the function belongs to its context); check
-    raw_launches first."""
-    assert _driver is not None and _driver.launch_ex is not None, "check raw_launches(device_id) first"
-    overlap = _overlaps(device_id) and _driver.capturing(stream)
-    _launch_ex(function, grid, block, values, shared_mem, stream, overlap)
+    scalars (c_void_p for pointers), overlapping the kernel before it where
+    the GPU can and the stream is capturing. `device_id` must be the current
+    device (the function belongs to its context)."""
+    PreparedLaunch(function, grid, block, shared_mem, values, device_id)(stream)
 
 
-def _launch_ex(function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], values: Sequence[Any],
-               shared_mem: int, stream: int, overlap: bool) -> None:
-    """cuLaunchKernelEx, with the programmatic attribute where `overlap`."""
-    assert _driver is not None
-    fn = getattr(function, "kernel", function)  # a RawKernel's compiled Function
-    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
-    config = launch_config(grid, block, shared_mem, stream, _driver.attribute)
-    if not overlap:
-        config.numAttrs = 0
-    err = _driver.launch_ex(ctypes.byref(config), ctypes.c_void_p(fn.ptr), params, None)
-    if err != 0:
-        msg = ctypes.c_char_p()
-        _driver.error_string(err, ctypes.byref(msg))
-        text = msg.value.decode() if msg.value else "unknown error"
-        hint = "; set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap" if overlap else ""
-        raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}){hint}")
+class PreparedLaunch:
+    """A kernel's launch with its function, grid, block, shared memory and
+    argument types fixed: a call sets the argument values and the stream,
+    and nothing else is made. The drop-in's eager calls launch the same
+    kernel with the same grid at every forward, and making the config, the
+    parameter array and the ctypes values anew costs ~4 us of Python a
+    launch (session 36). The values are reused, so one PreparedLaunch must
+    not be called from two threads at once (the kernels' workspaces already
+    ask that); the driver copies them at the launch, so a call may follow
+    the last one at once."""
+
+    def __init__(self, function: Any, grid: Tuple[int, ...], block: Tuple[int, ...], shared_mem: int,
+                 values: Sequence[Any], device_id: int) -> None:
+        driver = _the_driver()
+        self.function = function  # kept alive: _fn is its loaded code
+        self.device_id = device_id
+        self._fn = ctypes.c_void_p(getattr(function, "kernel", function).ptr)  # a RawKernel's compiled Function
+        self._values = tuple(values)
+        self._params = (ctypes.c_void_p * max(1, len(self._values)))(*[ctypes.addressof(v) for v in self._values])
+        self._config = launch_config(grid, block, shared_mem, 0, driver.attribute)
+
+    def __call__(self, stream: int, *values: Any) -> None:
+        """Launch on the raw stream handle `stream`; `values` (Python numbers)
+        replace the first len(values) argument values, except where None:
+        that one and those after the last stay as they were."""
+        for v, new in zip(self._values, values):
+            if new is not None:
+                v.value = new
+        config = self._config
+        config.hStream = stream
+        overlap = _overlaps(self.device_id) and _driver.capturing(stream)  # type: ignore[union-attr]
+        config.numAttrs = 1 if overlap else 0
+        err = _driver.launch_ex(ctypes.byref(config), self._fn, self._params, None)  # type: ignore[union-attr]
+        if err != 0:
+            msg = ctypes.c_char_p()
+            _driver.error_string(err, ctypes.byref(msg))  # type: ignore[union-attr]
+            text = msg.value.decode() if msg.value else "unknown error"
+            hint = "; set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap" if overlap else ""
+            raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}){hint}")
+
+
+def _the_driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    if _driver.launch_ex is None:
+        raise RuntimeError(f"sparseconv launches its kernels through the CUDA driver's cuLaunchKernelEx (CUDA 12.0 "
+                           f"and later), but: {_driver.why_not}. Install a newer NVIDIA driver.")
+    return _driver

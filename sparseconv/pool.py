@@ -168,7 +168,7 @@ def max_pool2d_pointers(device_id: int, x: int, y: int, x_shape: Tuple[int, int,
                         stream: int) -> None:
     """max_pool2d on raw device pointers (x of x_shape, y sized by
     pool.output_size) and a raw stream handle, unchecked: for a caller that
-    made y itself (fx.IndexFreeMaxPool2d's eager calls; launch.launch_raw
+    made y itself (fx.IndexFreeMaxPool2d's eager calls; sparseconv.launch's doc
     says why), on the current device."""
     out_hw = pool.output_size(x_shape[2], x_shape[3])
     if x_shape[0] * x_shape[1] == 0:

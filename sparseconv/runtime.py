@@ -11,8 +11,9 @@ this module does not); the build side (sparseconv.build) never imports it.
     LinearKernel(conv)                     a fully connected layer through a Conv2dKernel: (N, in) -> (N, out)
     DenseConv2dKernel(layer, bias, weight) the same contract through cuDNN (backend="auto")
 
-Every kernel goes out through sparseconv.launch.launch, which on sm_90 lets
-it start while the kernel before it finishes (programmatic dependent launch).
+Every kernel goes out through sparseconv.launch (cuLaunchKernelEx), which on
+sm_90 lets it start while the kernel before it finishes (programmatic
+dependent launch) in a CUDA graph.
 
 A cubin from a CUDA 13.x ptxas loads on a 13.0 driver, whereas PTX is
 JIT-compiled by the driver only if its .version is one the driver knows; the
@@ -31,7 +32,7 @@ import numpy as np
 
 from .build import CompiledLayer
 from .dense import dense_conv2d
-from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
+from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch
 from .ptx import ptx_version
 from .shapes import ANY_BATCH, MAX_PATCH_BYTES, ConvShape, Target
 
@@ -293,43 +294,25 @@ class CallContract:
 
 
 @dataclass(frozen=True)
-class PointerLaunch:
-    """One launch of a code-family conv call on raw pointers
-    (Conv2dKernel.launch_pointers): the conv kernel for `count` images from
-    byte offsets into x and out (and the residual, shaped as out), then,
-    where the reduction is split into a workspace, the ordered sum of its
-    slices with the epilogue (reduce_slices)."""
+class BatchStep:
+    """The launches of a code-family conv for `count` images of a call
+    (Conv2dKernel.launch_pointers), prepared once: the conv kernel from byte
+    offsets into x and out (and the residual, shaped as out), then, where
+    the reduction is split into a workspace, the ordered sum of its slices
+    with the epilogue (sc_reduce_slices)."""
 
-    function: Any
-    grid: Tuple[int, ...]
-    block: Tuple[int, ...]
-    shared_mem: int
+    conv: PreparedLaunch            # arguments (x, target, bias, residual, count, chunks)
+    reduce: Optional[PreparedLaunch]  # (workspace, y, residual, total, slices, has_residual, bounds...)
     x_offset: int
     out_offset: int
-    count: int
-    chunks: int
-    bias: int                       # device pointer
     workspace: int                  # device pointer of the partial sums; 0: the kernel writes out
-    reduce: Any                     # sc_reduce_slices where workspace, else None
-    total: int                      # floats of out in these images
-    slices: int
-    bounds: Tuple[Optional[float], Optional[float]]
 
-    def run(self, x: int, out: int, residual: int, stream: int, device_id: int) -> None:
+    def run(self, x: int, out: int, residual: int, stream: int) -> None:
         y = out + self.out_offset
         res = residual + self.out_offset if residual else 0
-        target = self.workspace or y
-        launch_raw(self.function, self.grid, self.block,
-                   (ctypes.c_void_p(x + self.x_offset), ctypes.c_void_p(target), ctypes.c_void_p(self.bias),
-                    ctypes.c_void_p(res), ctypes.c_int32(self.count), ctypes.c_int32(self.chunks)),
-                   self.shared_mem, stream, device_id)
-        if self.workspace:
-            lo, hi = self.bounds
-            launch_raw(self.reduce, reduce_grid(self.total), (256,),
-                       (ctypes.c_void_p(self.workspace), ctypes.c_void_p(y), ctypes.c_void_p(res),
-                        ctypes.c_int64(self.total), ctypes.c_int32(self.slices), ctypes.c_int32(res != 0),
-                        ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0),
-                        ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0)), 0, stream, device_id)
+        self.conv(stream, x + self.x_offset, self.workspace or y, None, res)  # None: the bias stays
+        if self.reduce is not None:
+            self.reduce(stream, None, y, res, None, None, int(res != 0))  # None: workspace, total, slices stay
 
 
 class Conv2dKernel:
@@ -382,7 +365,7 @@ class Conv2dKernel:
         # non-blocking one, which would not wait for the copy.
         cupy.cuda.get_current_stream().synchronize()
         self._workspace: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> partial sums of the slices
-        self._plans: Dict[int, Tuple[PointerLaunch, ...]] = {}  # batch -> launch_pointers' steps
+        self._plans: Dict[int, Tuple[BatchStep, ...]] = {}  # batch -> launch_pointers' steps
         self.stats = dict(self.layer.stats)
         if len(variants) > 1:
             self.stats["variants"] = [{"up_to_batch": None if up_to == ANY_BATCH else up_to,
@@ -404,45 +387,55 @@ class Conv2dKernel:
         return out
 
     def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:
-        """__call__'s launches for `batch` images on raw device pointers (residual
-        0 where the kernel adds none) and a raw stream handle, with no checks:
-        for a caller that has checked its tensors against output_shape and
-        contract (fx.FusedConv2d), on the current device, where
-        launch.raw_launches holds. CuPy's views and the contract's checks cost
-        ~100 us of host time a call, more than the kernels of a batch-1 forward
-        (bench/eager_forward.py, session 34)."""
+        """The launches for `batch` images on raw device pointers (residual 0
+        where the kernel adds none) and a raw stream handle, with no checks:
+        what __call__ runs once the contract has checked its arrays, and what
+        a caller that checked its own tensors against output_shape calls
+        directly (fx.FusedConv2d: CuPy's views and the contract's checks cost
+        ~100 us of host time a call, more than the kernels of a batch-1
+        forward; bench/eager_forward.py, session 34). On the current device."""
         plan = self._plans.get(batch)
         if plan is None:
             plan = self._plans[batch] = self._plan(batch)
         for step in plan:
-            step.run(x, out, residual, stream, self.device_id)
+            step.run(x, out, residual, stream)
 
-    def _plan(self, batch: int) -> Tuple[PointerLaunch, ...]:
-        """_launch's launches for `batch` images as PointerLaunch steps (what
-        does not change from call to call, computed once)."""
+    def _plan(self, batch: int) -> Tuple[BatchStep, ...]:
+        """The launches for `batch` images, a BatchStep per max_batch_per_launch
+        images with the variant's workspace: what does not change from call
+        to call, made once."""
         import cupy
 
         index, layer, fn = self.variant(batch)
         s = self.shape
         in_bytes, out_bytes = 4 * s.in_channels * s.in_h * s.in_w, 4 * s.out_channels * s.out_h * s.out_w
         step = layer.max_batch_per_launch
+        # partial sums through a workspace and a second launch, unless the
+        # kernel's clusters add them (Tiling.slice_sum)
         workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
         lo, hi = self.epilogue.bounds
+        null = ctypes.c_void_p
         steps = []
         for first in range(0, batch, step):
             count = min(step, batch - first)
-            ws = 0
+            conv = PreparedLaunch(fn, tuple(int(g) for g in layer.grid(count)), (layer.tiling.threads, 1, 1),
+                                  layer.shared_bytes, (null(), null(), null(self._bias.data.ptr), null(),
+                                                       ctypes.c_int32(count), ctypes.c_int32(layer.chunks)),
+                                  self.device_id)
+            ws, reduce = 0, None
             if workspace:
                 key = (index, count)
                 if key not in self._workspace:
                     self._workspace[key] = cupy.empty((layer.tiling.slices, count) + self.output_shape(1)[1:],
                                                       cupy.float32)
                 ws = self._workspace[key].data.ptr
-            steps.append(PointerLaunch(
-                fn, tuple(int(g) for g in layer.grid(count)), (layer.tiling.threads, 1, 1), layer.shared_bytes,
-                first * in_bytes, first * out_bytes, count, layer.chunks, self._bias.data.ptr, ws,
-                reduce_kernel(self.device_id) if workspace else None, count * out_bytes // 4,
-                layer.tiling.slices, (lo, hi)))
+                total = count * out_bytes // 4
+                reduce = PreparedLaunch(
+                    reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
+                    (null(ws), null(), null(), ctypes.c_int64(total), ctypes.c_int32(layer.tiling.slices),
+                     ctypes.c_int32(0), ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0),
+                     ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0)), self.device_id)
+            steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws))
         return tuple(steps)
 
     def variant(self, batch: int) -> Tuple[int, CompiledLayer, Any]:
@@ -453,32 +446,11 @@ class Conv2dKernel:
         raise AssertionError("the last variant serves any batch")
 
     def _launch(self, x: Any, out: Any, residual: Any = None) -> None:
+        """__call__'s launches, its arrays checked: launch_pointers on their pointers and CuPy's current stream."""
         import cupy
 
-        n = x.shape[0]
-        index, layer, fn = self.variant(n)
-        step = layer.max_batch_per_launch
-        # partial sums through a workspace and a second launch, unless the
-        # kernel's clusters add them (Tiling.slice_sum)
-        workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
-        for first in range(0, n, step):
-            count = min(step, n - first)
-            y = out[first:first + count]
-            res = residual[first:first + count] if residual is not None else None
-            if workspace:  # partial sums into the workspace, then the ordered reduction
-                ws = self._workspace.get((index, count))
-                if ws is None:
-                    ws = self._workspace[(index, count)] = cupy.empty((layer.tiling.slices,) + y.shape,
-                                                                      cupy.float32)
-                target = ws
-            else:
-                target = y
-            launch(fn, layer.grid(count), (layer.tiling.threads, 1, 1),
-                   (x[first:first + count], target, self._bias, res if res is not None else np.uint64(0),
-                    np.int32(count), np.int32(layer.chunks)),
-                   shared_mem=layer.shared_bytes)
-            if workspace:
-                reduce_slices(self.device_id, target, y, res, self.epilogue.bounds)
+        self.launch_pointers(x.data.ptr, out.data.ptr, 0 if residual is None else residual.data.ptr, x.shape[0],
+                             cupy.cuda.get_current_stream().ptr)
 
     def __repr__(self) -> str:
         s = self.stats

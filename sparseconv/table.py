@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
+from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch
 from .runtime import CallContract
 from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue
 
@@ -340,6 +340,7 @@ class TableConv2d:
         if key not in _functions:
             _functions[key] = cupy.RawKernel(source, "sc_table_conv")
         self._fn = _functions[key]
+        self._launches: Dict[int, PreparedLaunch] = {}  # batch -> launch_pointers' launch
         self.stats = {"backend": "table", "tiling": self.tiling.describe(), "nonzero_weights": int(len(entries)),
                       "weights": int(np.prod(weight.shape)), "table_bytes": int(entries.nbytes + starts.nbytes),
                       # reading the attributes compiles and loads the kernel now, not at a first
@@ -355,20 +356,25 @@ class TableConv2d:
         x, out, residual = self.contract.arrays(x, out, residual)  # the checks of every family
         if x.shape[0] == 0:
             return out
+        import cupy
+
         with self.contract.stream(stream):
-            launch(self._fn, table_grid(self.shape, self.tiling, x.shape[0]), (32 * self.tiling.warps,),
-                   (x, self._entries, self._starts, self._bias,
-                    residual if residual is not None else np.uint64(0), out), shared_mem=self._staged_bytes)
+            self.launch_pointers(x.data.ptr, out.data.ptr, 0 if residual is None else residual.data.ptr, x.shape[0],
+                                 cupy.cuda.get_current_stream().ptr)
         return out
 
     def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:
-        """__call__'s launch on raw device pointers and stream handle, with no
-        checks (runtime.Conv2dKernel.launch_pointers says for whom)."""
-        launch_raw(self._fn, table_grid(self.shape, self.tiling, batch), (32 * self.tiling.warps,),
-                   (ctypes.c_void_p(x), ctypes.c_void_p(self._entries.data.ptr),
-                    ctypes.c_void_p(self._starts.data.ptr), ctypes.c_void_p(self._bias.data.ptr),
-                    ctypes.c_void_p(residual), ctypes.c_void_p(out)),
-                   self._staged_bytes, stream, self.device_id)
+        """The launch on raw device pointers and stream handle, with no checks:
+        what __call__ runs once the contract has checked its arrays
+        (runtime.Conv2dKernel.launch_pointers says who else calls it)."""
+        prepared = self._launches.get(batch)
+        if prepared is None:
+            null = ctypes.c_void_p
+            prepared = self._launches[batch] = PreparedLaunch(
+                self._fn, table_grid(self.shape, self.tiling, batch), (32 * self.tiling.warps,), self._staged_bytes,
+                (null(), null(self._entries.data.ptr), null(self._starts.data.ptr), null(self._bias.data.ptr),
+                 null(), null()), self.device_id)
+        prepared(stream, x, None, None, None, residual, out)  # None: the table and bias stay
 
     def __repr__(self) -> str:
         return (f"TableConv2d({self.name}: {self.shape.describe()}, {self.stats['nonzero_weights']}/"

@@ -140,29 +140,32 @@ def test_linear_gemv_refuses_bad_input_before_launching():
 
 
 @pytest.mark.gpu
-def test_a_gemv_linear_launches_on_pointers_as_through_views(monkeypatch):
-    """GemvLinear's eager call on raw pointers (fx.POINTER_LAUNCHES, the
-    default) equals the call through CuPy views bit for bit, with and without
-    a bias, at every batch the kernel takes, within 1e-6 of float64; an input
-    of the wrong width goes to torch, which refuses it."""
-    import sparseconv.fx as scfx
+def test_a_gemv_linear_launches_on_pointers_as_the_checked_call():
+    """GemvLinear's eager call (raw pointers and torch's stream, unchecked)
+    equals linear_gemv on the same tensors as CuPy arrays (checked) bit for
+    bit, with and without a bias, at every batch the kernel takes, within
+    1e-6 of float64; an input of the wrong width goes to torch, which
+    refuses it."""
+    import cupy as cp
+
+    from sparseconv.gemv import linear_gemv
 
     torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
     for lin in (nn.Linear(2048, 1000), nn.Linear(36, MIN_GEMV_FEATURES + 1, bias=False)):
         g = GemvLinear(lin.cuda(), "head")
-        w = lin.weight.detach().double()
-        b = 0 if lin.bias is None else lin.bias.detach().double()
+        w = lin.weight.detach()
+        bias = torch.zeros(lin.out_features, device="cuda") if lin.bias is None else lin.bias.detach()
         for batch in (1, 3, MAX_GEMV_BATCH):
             x = torch.randn(batch, lin.in_features, device="cuda")
-            got = {}
-            for pointers in (True, False):
-                monkeypatch.setattr(scfx, "POINTER_LAUNCHES", pointers)
-                with torch.no_grad():
-                    got[pointers] = g(x)
-            ref = x.double() @ w.T + b
-            assert float((got[True].double() - ref).norm() / ref.norm()) < 1e-6, batch
-            assert torch.equal(got[True], got[False]), batch
-        monkeypatch.setattr(scfx, "POINTER_LAUNCHES", True)
+            with torch.no_grad():
+                got = g(x)
+            checked = torch.full_like(got, float("nan"))
+            torch.cuda.synchronize()
+            linear_gemv(0, cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(bias), cp.from_dlpack(checked))
+            cp.cuda.get_current_stream().synchronize()
+            ref = x.double() @ w.double().T + bias.double()
+            assert float((got.double() - ref).norm() / ref.norm()) < 1e-6, batch
+            assert torch.equal(got, checked), batch
         with pytest.raises(RuntimeError), torch.no_grad():
             g(torch.randn(1, lin.in_features + 4, device="cuda"))
 

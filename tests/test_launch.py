@@ -124,3 +124,89 @@ def test_the_table_kernel_reads_its_table_before_the_wait_and_its_input_after(re
     assert body[:wait].count("ld.global.nc.f32") == 1
     assert "st.global" not in body[:wait]
 
+
+
+class _FakeDriver:
+    """launch._Driver's surface, recording what each launch would hand to cuLaunchKernelEx."""
+
+    def __init__(self, capturing=False, error=0):
+        self.attribute = programmatic_attribute()
+        self.launches = []
+        self.is_capturing_now = capturing
+        self.error = error
+        self.why_not = None
+
+    def launch_ex(self, config_ref, fn, params, extra):
+        config = config_ref._obj
+        n = len(params)
+        # the low 4 bytes of each value (every value in these tests fits; a c_int32 has no more)
+        values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint32)).contents.value for i in range(n)]
+        self.launches.append({"fn": fn.value, "grid": (config.gridDimX, config.gridDimY, config.gridDimZ),
+                              "block": (config.blockDimX, config.blockDimY, config.blockDimZ),
+                              "shared": config.sharedMemBytes, "stream": config.hStream,
+                              "attrs": config.numAttrs, "values": values})
+        return self.error
+
+    def capturing(self, stream_ptr):
+        return self.is_capturing_now
+
+    def error_string(self, err, msg_ref):
+        msg_ref._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+
+class _FakeFunction:
+    ptr = 0xF00D
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    import sparseconv.launch as launch_mod
+
+    driver = _FakeDriver()
+    monkeypatch.setattr(launch_mod, "_driver", driver)
+    monkeypatch.setattr(launch_mod, "_overlap_on_device", {0: True})  # an sm_90 GPU 0, no CuPy asked
+    return driver
+
+
+def test_a_prepared_launch_sets_only_the_values_and_stream_it_is_given(fake_driver):
+    from sparseconv.launch import PreparedLaunch
+
+    p = PreparedLaunch(_FakeFunction(), (7, 2), (128,), 512,
+                       (ctypes.c_void_p(), ctypes.c_void_p(0xB1A5), ctypes.c_uint64(5)), 0)
+    p(0x51, 0xA000, None, 9)        # None: the second value stays
+    p(0x52, 0xA400)                 # values after the last given stay too
+    first, second = fake_driver.launches
+    assert first == {"fn": 0xF00D, "grid": (7, 2, 1), "block": (128, 1, 1), "shared": 512, "stream": 0x51,
+                     "attrs": 0, "values": [0xA000, 0xB1A5, 9]}
+    assert second["stream"] == 0x52 and second["values"] == [0xA400, 0xB1A5, 9]
+
+
+def test_a_launch_overlaps_only_while_its_stream_is_capturing_and_the_switch_is_on(fake_driver, monkeypatch):
+    import sparseconv.launch as launch_mod
+
+    p = launch_mod.PreparedLaunch(_FakeFunction(), (1,), (32,), 0, (ctypes.c_int32(1),), 0)
+    p(0x51)
+    fake_driver.is_capturing_now = True
+    p(0x51)
+    monkeypatch.setattr(launch_mod, "OVERLAP_LAUNCHES", False)
+    p(0x51)
+    launch_mod.launch_raw(_FakeFunction(), (1,), (32,), (ctypes.c_int32(3),), 0, 0x51, 0)  # the same path, made once
+    assert [launch["attrs"] for launch in fake_driver.launches] == [0, 1, 0, 0]
+    assert fake_driver.launches[-1]["values"] == [3]
+
+
+def test_a_failed_launch_says_the_driver_error_and_a_missing_driver_function_what_to_do(fake_driver, monkeypatch):
+    import sparseconv.launch as launch_mod
+
+    fake_driver.error = 1
+    fake_driver.is_capturing_now = True
+    p = launch_mod.PreparedLaunch(_FakeFunction(), (1,), (32,), 0, (ctypes.c_int32(1),), 0)
+    with pytest.raises(RuntimeError, match=r"CUresult 1 \(CUDA_ERROR_INVALID_VALUE\); set "
+                                           r"SPARSECONV_OVERLAP_LAUNCHES=0"):
+        p(0x51)
+    fake_driver.launch_ex = None
+    fake_driver.why_not = "no cuLaunchKernelEx in libcuda.so.1 (undefined symbol)"
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx \(CUDA 12.0 and later\), but: no cuLaunchKernelEx "
+                                           r"in libcuda.so.1 \(undefined symbol\)\. Install a newer NVIDIA driver"):
+        launch_mod.PreparedLaunch(_FakeFunction(), (1,), (32,), 0, (ctypes.c_int32(1),), 0)
