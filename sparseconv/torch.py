@@ -258,8 +258,9 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     itself with inplace=True). cuda_graph=True wraps it in a CudaGraphModule:
     one CUDA graph per input shape, replayed on later calls (see its doc).
     Without it each kernel is launched from Python, and at batch 1 the GPU
-    waits on the host (ResNet-50 on an H100: 1.8-2.2 ms a forward from call
-    to result, against 0.41 replayed; bench/eager_forward.py, session 35).
+    waits on the host (ResNet-50 on an H100: 1.8-2.9 ms a forward from call
+    to result, by the host's CPU, against 0.41 replayed; bench/eager_forward.py,
+    sessions 35-36).
     `result.sparseconv_plan` lists every conv: action ("sparseconv", "dense"
     or "kept"), what was fused into it, and why.
 
