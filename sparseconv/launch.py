@@ -233,7 +233,11 @@ class PreparedLaunch:
             _driver.error_string(err, ctypes.byref(msg))  # type: ignore[union-attr]
             text = msg.value.decode() if msg.value else "unknown error"
             hint = "; set SPARSECONV_OVERLAP_LAUNCHES=0 to launch without overlap" if overlap else ""
-            raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {err} ({text}){hint}")
+            c = config
+            grid, block = (c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ)
+            raise RuntimeError(f"cuLaunchKernelEx failed for kernel {getattr(self.function, 'name', '?')} (grid "
+                               f"{grid}, block {block}, {c.sharedMemBytes} bytes of shared memory): CUresult {err} "
+                               f"({text}){hint}")
 
 
 def _the_driver() -> _Driver:

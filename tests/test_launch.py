@@ -156,7 +156,9 @@ class _FakeDriver:
 
 
 class _FakeFunction:
+    """What PreparedLaunch reads of a RawKernel (its .kernel, a Function with .ptr, is optional)."""
     ptr = 0xF00D
+    name = "sc_fake"
 
 
 @pytest.fixture
@@ -202,7 +204,8 @@ def test_a_failed_launch_says_the_driver_error_and_a_missing_driver_function_wha
     fake_driver.error = 1
     fake_driver.is_capturing_now = True
     p = launch_mod.PreparedLaunch(_FakeFunction(), (1,), (32,), 0, (ctypes.c_int32(1),), 0)
-    with pytest.raises(RuntimeError, match=r"CUresult 1 \(CUDA_ERROR_INVALID_VALUE\); set "
+    with pytest.raises(RuntimeError, match=r"failed for kernel sc_fake \(grid \(1, 1, 1\), block \(32, 1, 1\), 0 "
+                                           r"bytes of shared memory\): CUresult 1 \(CUDA_ERROR_INVALID_VALUE\); set "
                                            r"SPARSECONV_OVERLAP_LAUNCHES=0"):
         p(0x51)
     fake_driver.launch_ex = None
