@@ -22,11 +22,12 @@ build prefers ptxas, and a PTX artifact is checked against the driver here
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -208,12 +209,19 @@ class CallContract:
         out = cupy.empty(self.output_shape(x.shape[0]), dtype=cupy.float32) if out is None else self.out(out, x)
         return x, out, self.residual_of(residual, x, out)
 
-    def stream(self, stream: Any) -> Any:
-        """The stream to launch on, as a context: `stream`, or CuPy's current one."""
+    @contextlib.contextmanager
+    def launching(self, stream: Any) -> Iterator[Any]:
+        """A context with the kernel's GPU current (the output is allocated and
+        the kernel launched there, whichever GPU the caller has current) and
+        the stream to launch on made current: `stream`, or that GPU's current
+        one. Yields the stream."""
         import cupy
 
-        return cupy.cuda.get_current_stream() if stream is None else as_cupy_stream(stream, self.device_id,
-                                                                                     self.name)
+        with cupy.cuda.Device(self.device_id):
+            s = cupy.cuda.get_current_stream() if stream is None else as_cupy_stream(stream, self.device_id,
+                                                                                      self.name)
+            with s:
+                yield s
 
     def as_cupy(self, x: Any) -> Any:
         """x as a CuPy array on this kernel's GPU (no copy), float32, or an error saying what to pass."""
@@ -379,11 +387,10 @@ class Conv2dKernel:
         return self.contract.output_shape(batch)
 
     def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
-        x, out, residual = self.contract.arrays(x, out, residual)
-        if x.shape[0] == 0:
-            return out
-        with self.contract.stream(stream):
-            self._launch(x, out, residual)
+        with self.contract.launching(stream):
+            x, out, residual = self.contract.arrays(x, out, residual)
+            if x.shape[0]:
+                self._launch(x, out, residual)
         return out
 
     def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:

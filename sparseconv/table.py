@@ -353,14 +353,11 @@ class TableConv2d:
         return self.contract.output_shape(batch)
 
     def __call__(self, x: Any, out: Any = None, stream: Any = None, residual: Any = None) -> Any:
-        x, out, residual = self.contract.arrays(x, out, residual)  # the checks of every family
-        if x.shape[0] == 0:
-            return out
-        import cupy
-
-        with self.contract.stream(stream):
-            self.launch_pointers(x.data.ptr, out.data.ptr, 0 if residual is None else residual.data.ptr, x.shape[0],
-                                 cupy.cuda.get_current_stream().ptr)
+        with self.contract.launching(stream) as s:
+            x, out, residual = self.contract.arrays(x, out, residual)  # the checks of every family
+            if x.shape[0]:
+                self.launch_pointers(x.data.ptr, out.data.ptr, 0 if residual is None else residual.data.ptr,
+                                     x.shape[0], s.ptr)
         return out
 
     def launch_pointers(self, x: int, out: int, residual: int, batch: int, stream: int) -> None:

@@ -133,3 +133,38 @@ def test_pointer_launches_equal_the_checked_call(tmp_path):
             stream.synchronize()
             assert relative_l2(raw.get(), ref) <= 1e-5, kernel
             assert bool((raw.view(cp.uint32) == checked.view(cp.uint32)).all()), kernel
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy as cp
+
+        return cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs two GPUs")
+def test_a_kernel_on_the_second_gpu_runs_there_whichever_gpu_is_current(tmp_path):
+    """A code and a table kernel loaded on GPU 1, called while GPU 0 is
+    current: the output is allocated on GPU 1 and the kernel runs there, on
+    GPU 1's stream, within 1e-5 of float64."""
+    import cupy as cp
+
+    from sparseconv.table import TableConv2d
+
+    rng = np.random.default_rng()
+    s = ConvShape(16, 8, 10, 10, 3, 3, padding=(1, 1))
+    w = pruned_weight(rng, s.weight_shape, 0.8)
+    with cp.cuda.Device(1):
+        code = sparseconv.compile_conv2d(w, input_size=(10, 10), padding=1, cache_dir=str(tmp_path), name="code")
+        table = TableConv2d(w, None, s, name="table")
+        x = cp.asarray(rng.standard_normal((2, 16, 10, 10)).astype(np.float32))
+    ref = conv2d_reference(x.get(), w, None, (1, 1), (1, 1))
+    assert code.device_id == table.device_id == 1
+    with cp.cuda.Device(0):
+        for kernel in (code, table):
+            y = kernel(x)
+            assert y.device.id == 1, kernel
+            cp.cuda.Device(1).synchronize()
+            assert relative_l2(y.get(), ref) <= 1e-5, kernel
