@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import sys
@@ -76,6 +78,17 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """fork where the platform has it, whatever the default. Python 3.14 makes
+    forkserver Linux's default, and there a worker's parent is the server, not
+    the caller (_watch_parent would end every worker at once); forkserver and
+    spawn also import the caller's __main__ again, which runs a script without
+    an `if __name__ == "__main__":` guard a second time. Our workers run only
+    Python and the CUDA tools (nvcc, ptxas), never CUDA itself, so a caller
+    that has initialised CUDA may fork them. spawn where there is no fork."""
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
 def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
     return build_conv2d(job.weight, job.shape, tiling=job.tiling, target=target,
                         cache=ArtifactCache(cache_root), name=job.name, epilogue=job.epilogue)
@@ -113,7 +126,8 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
     done: Dict[str, CompiledLayer] = {}
     if not jobs:
         return done
-    pool = ProcessPoolExecutor(max_workers=workers, initializer=_watch_parent, initargs=(os.getpid(),))
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=_watch_parent,
+                               initargs=(os.getpid(),))
     try:
         with open(os.devnull, "w") as devnull, \
                 click.progressbar(length=len(jobs), label=f"compiling {len(jobs)} layers on {workers} workers",

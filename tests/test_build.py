@@ -130,6 +130,35 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
         build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)
 
 
+FORKSERVER_SCRIPT = """
+import multiprocessing, sys
+import numpy as np
+from sparseconv.parallel import LayerJob, build_many
+from sparseconv.shapes import ConvShape
+
+multiprocessing.set_start_method("forkserver", force=True)  # Python 3.14's default on Linux
+s = ConvShape(4, 6, 7, 7, 3, 3, (1, 1), (1, 1))
+w = np.arange(np.prod(s.weight_shape), dtype=np.float32).reshape(s.weight_shape) % 3  # a third zeros
+print("built", len(build_many([LayerJob(f"l{i}", w, s) for i in range(2)], cache_dir=sys.argv[1], workers=2,
+                              progress=False)))
+"""
+
+
+def test_build_many_builds_where_forkserver_is_the_default_start_method(tmp_path):
+    """A forkserver worker's parent is the server, not the caller: with the
+    default context, every worker stopped at once (BrokenProcessPool), and
+    an unguarded script (as this one) would run again in the server."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "build.py"
+    script.write_text(FORKSERVER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "built 2"
+
+
 def test_build_many_reports_a_tool_failure_in_a_worker(tmp_path, monkeypatch):
     """A CompileError raised in a worker process reaches the caller intact."""
     from sparseconv.parallel import LayerJob, build_many
