@@ -96,12 +96,14 @@ def test_overlapped_launches_give_the_same_outputs(tmp_path, graph, monkeypatch)
 
 
 def test_pointer_launches_equal_the_checked_call(tmp_path):
-    """launch_pointers (the drop-in's eager path: raw pointers and stream
-    handle, no CuPy views, no checks) launches what __call__ launches: a code
-    kernel whose batch-1 variant sums its split reduction through the
-    workspace and the reduction kernel, residual and ReLU fused, and a table
-    kernel with a residual, at batch 1 and 3; bit for bit against __call__
-    and within 1e-5 of float64."""
+    """launch_pointers called directly (the drop-in's eager path: raw
+    pointers, no checks) on a stream that is not CuPy's current one computes
+    what __call__ (the checks, then launch_pointers on CuPy's current stream)
+    computes: a code kernel whose batch-1 variant sums its split reduction
+    through the workspace and the reduction kernel, residual and ReLU fused,
+    and a table kernel with a residual, at batch 1 and 3 (the prepared
+    launches made at the first call, reused at the second); bit for bit
+    against __call__ and within 1e-5 of float64."""
     import cupy as cp
     from dataclasses import replace
 
