@@ -33,7 +33,7 @@ import numpy as np
 
 from .build import CompiledLayer
 from .dense import dense_conv2d
-from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch
+from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch_raw
 from .ptx import ptx_version
 from .shapes import ANY_BATCH, MAX_PATCH_BYTES, ConvShape, Target
 
@@ -172,16 +172,27 @@ def reduce_grid(total: int) -> Tuple[int]:
     return (min(-(-total // 256), 4096),)
 
 
+def reduce_values(ws: int, y: int, residual: int, total: int, slices: int,
+                  bounds: Tuple[Optional[float], Optional[float]]) -> Tuple[Any, ...]:
+    """sc_reduce_slices' arguments in its order, as ctypes values: device
+    pointers (residual 0 for none), then the sizes and the clamp. The one
+    place that mirrors the kernel's signature (reduce_slices and
+    Conv2dKernel's prepared launches both take it)."""
+    lo, hi = bounds
+    return (ctypes.c_void_p(ws), ctypes.c_void_p(y), ctypes.c_void_p(residual), ctypes.c_int64(total),
+            ctypes.c_int32(slices), ctypes.c_int32(residual != 0), ctypes.c_int32(lo is not None),
+            ctypes.c_float(lo or 0.0), ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0))
+
+
 def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
                   bounds: Tuple[Optional[float], Optional[float]] = (None, None)) -> None:
     """y = the sum of ws's slices (ws: (slices,) + y.shape) in slice order, plus
     residual, clamped to bounds (lo, hi; None for no bound), on the current stream."""
-    lo, hi = bounds
-    total = y.size
-    launch(reduce_kernel(device_id), reduce_grid(total), (256,),
-           (ws, y, residual if residual is not None else np.uint64(0), np.int64(total), np.int32(ws.shape[0]),
-            np.int32(residual is not None), np.int32(lo is not None), np.float32(lo or 0.0),
-            np.int32(hi is not None), np.float32(hi or 0.0)))
+    import cupy
+
+    launch_raw(reduce_kernel(device_id), reduce_grid(y.size), (256,),
+               reduce_values(ws.data.ptr, y.data.ptr, 0 if residual is None else residual.data.ptr, y.size,
+                             ws.shape[0], bounds), 0, cupy.cuda.get_current_stream().ptr, device_id)
 
 
 @dataclass(frozen=True)
@@ -420,7 +431,6 @@ class Conv2dKernel:
         # partial sums through a workspace and a second launch, unless the
         # kernel's clusters add them (Tiling.slice_sum)
         workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
-        lo, hi = self.epilogue.bounds
         null = ctypes.c_void_p
         steps = []
         for first in range(0, batch, step):
@@ -437,11 +447,9 @@ class Conv2dKernel:
                                                       cupy.float32)
                 ws = self._workspace[key].data.ptr
                 total = count * out_bytes // 4
-                reduce = PreparedLaunch(
-                    reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
-                    (null(ws), null(), null(), ctypes.c_int64(total), ctypes.c_int32(layer.tiling.slices),
-                     ctypes.c_int32(0), ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0),
-                     ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0)), self.device_id)
+                reduce = PreparedLaunch(reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
+                                        reduce_values(ws, 0, 0, total, layer.tiling.slices, self.epilogue.bounds),
+                                        self.device_id)
             steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws))
         return tuple(steps)
 

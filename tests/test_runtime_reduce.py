@@ -41,3 +41,24 @@ def test_the_reduction_adds_slices_in_order_then_the_epilogue(slices, residual, 
         want = np.minimum(want, np.float32(hi))
     assert np.array_equal(y, want)  # half the blocks: the grid-stride loop covers the rest
 
+
+
+def test_reduce_values_follow_the_kernels_signature():
+    """reduce_values, the one mirror of sc_reduce_slices' parameters in
+    Python (the checked reduce_slices and Conv2dKernel's prepared launches
+    take it), matches the source's parameter list type for type, with the
+    flags the kernel tests."""
+    import ctypes
+    import re
+
+    from sparseconv.runtime import reduce_values
+
+    params = re.search(r"sc_reduce_slices\(([^)]*)\)", _REDUCE_SOURCE).group(1)
+    c_types = [" ".join(p.replace("__restrict__", "").split()[:-1]) for p in params.split(",")]
+    as_ctypes = {"const float*": ctypes.c_void_p, "float*": ctypes.c_void_p, "long long": ctypes.c_int64,
+                 "int": ctypes.c_int32, "float": ctypes.c_float}
+    values = reduce_values(0x1000, 0x2000, 0x3000, 640, 4, (0.0, None))
+    assert [type(v) for v in values] == [as_ctypes[t] for t in c_types], c_types
+    assert [v.value for v in values] == [0x1000, 0x2000, 0x3000, 640, 4, 1, 1, 0.0, 0, 0.0]
+    no_residual = reduce_values(0x1000, 0x2000, 0, 640, 4, (None, 6.0))
+    assert [v.value for v in no_residual][2:] == [None, 640, 4, 0, 0, 0.0, 1, 6.0]
