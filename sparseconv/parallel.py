@@ -1,36 +1,43 @@
-"""Build many layers at once: a process pool sized to the cores, biggest layers
-first, a progress bar, and per-layer timings.
+"""Build many layers at once: worker processes sized to the cores, biggest
+layers first, a progress bar, and per-layer timings.
 
-Workers die with their parent: each asks the kernel for SIGKILL when its
-parent exits (Linux prctl PR_SET_PDEATHSIG), and a watcher thread in each
-checks the parent every second (other systems, and the moment before prctl).
-When the caller is interrupted (Ctrl-C, SIGTERM through the CLI), running
-builds are killed instead of waited for."""
+The workers are fresh Python processes (`python -m sparseconv.build_worker`,
+started by subprocess), not forks of the caller: a caller with CUDA or torch
+up has threads, and forking it is unsafe (Python 3.12+ warns; a forked
+worker once hung on a lock another thread held at the fork); multiprocessing's
+spawn and forkserver import the caller's `__main__` again instead, which runs
+a script without an `if __name__ == "__main__":` guard a second time. A
+worker gets its jobs pickled through its stdin and answers through its
+stdout (sparseconv.build_worker). A single worker's build runs in the
+caller's process.
+
+Workers die with their parent (build_worker.die_with_parent). Each runs in a
+process group of its own, so a Ctrl-C at the terminal reaches the caller
+alone: when it is interrupted (Ctrl-C, SIGTERM through the CLI) or a layer
+fails, it kills the workers' groups, the nvcc and ptxas they run included,
+instead of waiting for the builds in flight."""
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import multiprocessing
-import multiprocessing.context
 import os
+import pickle
+import queue
 import signal
+import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
 
 import click
 import numpy as np
 
-from .build import CompiledLayer, build_conv2d
+from .build import CompiledLayer
+from .build_worker import build_one
 from .cache import ArtifactCache
 from .limits import check_layer
 from .shapes import ConvShape, Epilogue, Target, Tiling
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -42,56 +49,56 @@ class LayerJob:
     epilogue: Epilogue = Epilogue()
 
 
-def _watch_parent(parent: int) -> None:
-    """Pool initializer: exit when the process that started this worker is gone."""
-    if sys.platform.startswith("linux"):
+class _Worker:
+    """One build_worker process; build() sends it a job and waits for the answer."""
+
+    def __init__(self) -> None:
+        # The worker imports the sparseconv this module came from, wherever that is.
+        package_root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sparseconv.build_worker", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, PYTHONPATH=path), start_new_session=os.name == "posix")
+
+    def build(self, job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watcher below still catches it, within a second
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+            pickle.dump((job, target, cache_root), self.proc.stdin)
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+            ok, value = pickle.load(self.proc.stdout)  # type: ignore[arg-type]
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+            try:
+                code: Optional[int] = self.proc.wait(timeout=5)  # its pipe closed: it is exiting
+            except subprocess.TimeoutExpired:
+                code = None
+            how = "" if code is None else f" (killed by signal {-code})" if code < 0 else f" (exit code {code})"
+            raise RuntimeError(f"the build worker (pid {self.proc.pid}) exited{how} before it answered; its "
+                               "messages, if any, are above on stderr") from None
+        if not ok:
+            raise value
+        return value
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
+    def kill(self) -> None:
+        """The worker and what it runs (nvcc, ptxas): its whole process group."""
+        try:
+            if os.name == "posix":
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
 
-    threading.Thread(target=watch, name="sparseconv-parent-watch", daemon=True).start()
-
-
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """Cancel what has not started and kill what has: used when the caller is
-    interrupted or a layer failed, so that no worker goes on building for a
-    caller that left."""
-    # The processes first: shutdown() forgets them. (_processes is private, but
-    # the executor offers no public way to stop a running task.)
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for proc in procs:
-        with contextlib.suppress(Exception):
-            proc.kill()
-    # Wait for the pool's manager thread (quick: its workers are dead). Left
-    # running, it may hold the pool's shutdown lock when the next build_many
-    # forks its workers; a worker that then garbage-collects this pool blocks
-    # on that lock forever (seen in CI: a failed compile, then the next one hung).
-    pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    """fork where the platform has it, whatever the default. Python 3.14 makes
-    forkserver Linux's default, and there a worker's parent is the server, not
-    the caller (_watch_parent would end every worker at once); forkserver and
-    spawn also import the caller's __main__ again, which runs a script without
-    an `if __name__ == "__main__":` guard a second time. Our workers run only
-    Python and the CUDA tools (nvcc, ptxas), never CUDA itself, so a caller
-    that has initialised CUDA may fork them. spawn where there is no fork."""
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-
-
-def _build_one(job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
-    return build_conv2d(job.weight, job.shape, tiling=job.tiling, target=target,
-                        cache=ArtifactCache(cache_root), name=job.name, epilogue=job.epilogue)
+    def close(self) -> None:
+        """End of its jobs: the worker exits."""
+        try:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 def _naming_layer(exc: BaseException, name: str) -> BaseException:
@@ -126,25 +133,66 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
     done: Dict[str, CompiledLayer] = {}
     if not jobs:
         return done
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=_watch_parent,
-                               initargs=(os.getpid(),))
-    try:
-        with open(os.devnull, "w") as devnull, \
-                click.progressbar(length=len(jobs), label=f"compiling {len(jobs)} layers on {workers} workers",
-                                  file=sys.stderr if progress else devnull,
-                                  item_show_func=lambda n: n or "") as bar:
-            started = {pool.submit(_build_one, j, target, root): (j.name, time.perf_counter()) for j in order}
-            for fut in as_completed(started):
-                name, t0 = started[fut]
+    label = f"compiling {len(jobs)} layers on {workers} worker{'s' if workers > 1 else ''}"
+    with open(os.devnull, "w") as devnull, \
+            click.progressbar(length=len(jobs), label=label, file=sys.stderr if progress else devnull,
+                              item_show_func=lambda n: n or "") as bar:
+        if workers == 1:  # no process to start: the build runs here
+            for j in order:
+                t0 = time.perf_counter()
                 try:
-                    layer = fut.result()
+                    layer = build_one(j, target, root)
                 except Exception as exc:
-                    raise _naming_layer(exc, name) from None
-                layer.stats["wall_s"] = time.perf_counter() - t0
-                done[name] = layer
-                bar.update(1, name)
-    except BaseException:
-        _stop(pool)
-        raise
-    pool.shutdown(wait=True)
+                    raise _naming_layer(exc, j.name) from None
+                _done(done, j.name, layer, t0, bar)
+        else:
+            _build_in_workers(order, target, root, workers, done, bar)
     return {n: done[n] for n in names}
+
+
+def _done(done: Dict[str, CompiledLayer], name: str, layer: CompiledLayer, t0: float, bar: object) -> None:
+    layer.stats["wall_s"] = time.perf_counter() - t0
+    done[name] = layer
+    bar.update(1, name)  # type: ignore[attr-defined]
+
+
+def _build_in_workers(order: Sequence[LayerJob], target: Target, root: str, workers: int,
+                      done: Dict[str, CompiledLayer], bar: object) -> None:
+    """Each job on the first free worker process, one thread a worker waiting for its answer."""
+    # Started from this thread: a worker's death signal goes with the thread that started it.
+    procs: List[_Worker] = []
+    try:
+        procs.extend(_Worker() for _ in range(workers))
+        idle: "queue.Queue[_Worker]" = queue.Queue()
+        for w in procs:
+            idle.put(w)
+
+        def build(job: LayerJob) -> CompiledLayer:
+            w = idle.get()
+            try:
+                return w.build(job, target, root)
+            finally:
+                idle.put(w)
+
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sparseconv-build") as threads:
+            started: Dict[Future, tuple] = {}
+            try:
+                for j in order:
+                    started[threads.submit(build, j)] = (j.name, time.perf_counter())
+                for fut in as_completed(started):
+                    name, t0 = started[fut]
+                    try:
+                        layer = fut.result()
+                    except Exception as exc:
+                        raise _naming_layer(exc, name) from None
+                    _done(done, name, layer, t0, bar)
+            except BaseException:
+                # Stop at once: the threads waiting on a killed worker get its end of file.
+                for fut in started:
+                    fut.cancel()
+                for w in procs:
+                    w.kill()
+                raise
+    finally:
+        for w in procs:
+            w.close()

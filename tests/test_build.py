@@ -130,13 +130,15 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
         build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)
 
 
-FORKSERVER_SCRIPT = """
-import multiprocessing, sys
+UNGUARDED_SCRIPT = """
+import multiprocessing, sys, threading, time
 import numpy as np
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.shapes import ConvShape
 
-multiprocessing.set_start_method("forkserver", force=True)  # Python 3.14's default on Linux
+print("script top ran")  # no __name__ guard: a worker that imported this script would print it again
+multiprocessing.set_start_method(sys.argv[2], force=True)  # forkserver: Python 3.14's default on Linux
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a caller with threads, as CUDA's
 s = ConvShape(4, 6, 7, 7, 3, 3, (1, 1), (1, 1))
 w = np.arange(np.prod(s.weight_shape), dtype=np.float32).reshape(s.weight_shape) % 3  # a third zeros
 print("built", len(build_many([LayerJob(f"l{i}", w, s) for i in range(2)], cache_dir=sys.argv[1], workers=2,
@@ -144,38 +146,73 @@ print("built", len(build_many([LayerJob(f"l{i}", w, s) for i in range(2)], cache
 """
 
 
-def test_build_many_builds_where_forkserver_is_the_default_start_method(tmp_path):
-    """A forkserver worker's parent is the server, not the caller: with the
-    default context, every worker stopped at once (BrokenProcessPool), and
-    an unguarded script (as this one) would run again in the server."""
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_build_many_builds_from_an_unguarded_threaded_script(tmp_path, start_method):
+    """The workers are fresh processes, not forks: a caller with threads (CUDA,
+    torch) is not forked (Python 3.12+ warns; under -W error it drops the
+    warning silently, so it is shown here and looked for), and the
+    caller's script, which has no __name__ guard, runs once whatever
+    multiprocessing's start method (under forkserver, the pool of session 36
+    and before stopped every worker at once)."""
     import subprocess
     import sys
 
     script = tmp_path / "build.py"
-    script.write_text(FORKSERVER_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], capture_output=True, text=True,
-                          timeout=300)
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", str(script), str(tmp_path / "cache"),
+                           start_method], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "built 2"
+    assert done.stdout.splitlines() == ["script top ran", "built 2"]
+    assert "fork" not in done.stderr, done.stderr[-2000:]
 
 
-def test_build_many_reports_a_tool_failure_in_a_worker(tmp_path, monkeypatch):
-    """A CompileError raised in a worker process reaches the caller intact."""
+def _fake_ptxas(folder, body: str):
+    tool = folder / "ptxas"
+    tool.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'fake ptxas' && exit 0\n" + body)
+    tool.chmod(0o755)
+    return tool
+
+
+def _child_pids() -> set:
+    """This process's live children (Linux: /proc/self/task/*/children)."""
+    from pathlib import Path
+
+    pids = set()
+    for task in Path("/proc/self/task").iterdir():
+        pids.update(int(p) for p in (task / "children").read_text().split())
+    return pids
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_build_many_reports_a_tool_failure(tmp_path, monkeypatch, workers):
+    """A CompileError raised in the caller (one worker) or in a worker process
+    reaches the caller intact and names the layer; the other worker is
+    stopped, and no process or thread of the build is left."""
     from sparseconv.parallel import LayerJob, build_many
     from sparseconv.compile import CompileError
 
-    failing = tmp_path / "ptxas"
-    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'fake ptxas' && exit 0\n"
-                       "echo 'ptxas fatal: out of registers' >&2\nexit 1\n")
-    failing.chmod(0o755)
-    monkeypatch.setenv("SPARSECONV_PTXAS", str(failing))  # inherited by the workers
-    job = LayerJob("l0", pruned_weight(np.random.default_rng(4), SHAPE.weight_shape, 0.7), SHAPE)
+    before = _child_pids()
+    monkeypatch.setenv("SPARSECONV_PTXAS", str(_fake_ptxas(tmp_path, "echo 'ptxas fatal: out of registers' >&2\n"
+                                                                     "exit 1\n")))  # inherited by the workers
+    rng = np.random.default_rng(4)
+    jobs = [LayerJob(f"l{i}", pruned_weight(rng, SHAPE.weight_shape, 0.7), SHAPE) for i in range(workers)]
     with pytest.raises(CompileError, match="out of registers") as info:
-        build_many([job], cache_dir=str(tmp_path / "cache"), workers=1, progress=False)
-    assert "layer l0" in str(info.value)
-    # The failed pool is fully stopped: a manager thread left running could hold
-    # its lock when the next build forks, and that build's worker would hang.
-    assert not [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
+        build_many(jobs, cache_dir=str(tmp_path / "cache"), workers=workers, progress=False)
+    assert "layer l" in str(info.value)
+    assert _child_pids() == before
+    assert not [t for t in threading.enumerate() if t.name.startswith("sparseconv-build")]
+
+
+def test_build_many_names_a_worker_that_died(tmp_path, monkeypatch):
+    """A worker killed mid-build (here by the ptxas it ran) is an error that
+    names the layer and says the worker exited, not a hang."""
+    from sparseconv.parallel import LayerJob, build_many
+
+    monkeypatch.setenv("SPARSECONV_PTXAS", str(_fake_ptxas(tmp_path, "kill -9 $PPID\nsleep 5\n")))
+    rng = np.random.default_rng(5)
+    jobs = [LayerJob(f"l{i}", pruned_weight(rng, SHAPE.weight_shape, 0.7), SHAPE) for i in range(2)]
+    with pytest.raises(RuntimeError, match=r"layer l\d: the build worker \(pid \d+\) exited \(killed by signal 9\)"):
+        build_many(jobs, cache_dir=str(tmp_path / "cache"), workers=2, progress=False)
 
 
 def test_compile_error_survives_pickling():
