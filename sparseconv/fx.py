@@ -14,6 +14,7 @@ and the plan says why nothing was fused.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass
@@ -100,11 +101,25 @@ def cupy_view(t: torch.Tensor) -> Any:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def torch_stream_handle(device: torch.device) -> int:
-    """The handle (cudaStream_t as an int) of torch's current stream on `device`."""
+def torch_stream_handle(device: Union[int, torch.device]) -> int:
+    """The handle (cudaStream_t as an int) of torch's current stream on `device` (an index or a torch.device)."""
+    index = device if isinstance(device, int) else device.index
     if _raw_stream is not None:
-        return int(_raw_stream(device.index))
-    return torch.cuda.current_stream(device).cuda_stream
+        return int(_raw_stream(index))
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _on_device(index: int) -> Any:
+    """cupy.cuda.Device(index), to launch on GPU `index` (a function belongs to
+    its GPU's context), where another GPU is current; a context that does
+    nothing where `index` is current already: the usual case, and Device's
+    exit sets the device again whatever it found."""
+    import cupy
+
+    return _SAME_DEVICE if cupy.cuda.runtime.getDevice() == index else cupy.cuda.Device(index)
 
 
 def on_torch_stream(device: torch.device, what: str) -> Any:
@@ -219,7 +234,14 @@ class FusedConv2d(_KernelNode):
             return self.reference(x.detach(), None if residual is None else residual.detach())
 
     def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor], kernel: Any) -> torch.Tensor:
-        """Through `kernel`: the sparseconv kernel, or the weight table."""
+        """Through `kernel`: the sparseconv kernel, or the weight table.
+
+        At batch 1 an eager forward waits on this host code, not on the GPU
+        (bench/eager_forward.py), so it keeps to what the launch needs: the
+        device as an int (x.device makes a torch.device), the output from
+        x.new_empty (x's dtype and device, no keyword parsing), no detached
+        copies of the tensors (only their pointers are read), and no device
+        switch where the input's GPU is current already."""
         import cupy
 
         s = kernel.shape
@@ -228,35 +250,36 @@ class FusedConv2d(_KernelNode):
                                "model under torch.no_grad() or torch.inference_mode()")
         if x.dtype != torch.float32:
             raise TypeError(f"{self.layer_name}: expected a float32 CUDA tensor, got {x.dtype} on {x.device}")
-        if x.dim() != 4 or tuple(x.shape[1:]) != (s.in_channels, s.in_h, s.in_w):
+        if x.dim() != 4 or x.shape[1:] != (s.in_channels, s.in_h, s.in_w):
             raise ValueError(f"{self.layer_name}: compiled for inputs (N, {s.in_channels}, {s.in_h}, {s.in_w}), "
                              f"got {tuple(x.shape)}; call sparsify again with an example of this size")
-        if x.device.index != kernel.device_id:
+        device = x.get_device()
+        if device != kernel.device_id:
             raise ValueError(f"{self.layer_name}: input on {x.device}, kernel loaded on "
                              f"cuda:{kernel.device_id}")
         out_shape = kernel.output_shape(x.shape[0])
         if residual is not None:
-            if tuple(residual.shape) != tuple(out_shape) or residual.dtype != torch.float32 \
-                    or residual.device != x.device:
+            if residual.shape != out_shape or residual.dtype != torch.float32 \
+                    or residual.get_device() != device:
                 raise ValueError(f"{self.layer_name}: the residual must be a float32 tensor of shape "
                                  f"{tuple(out_shape)} on {x.device}, got {residual.dtype} "
                                  f"{tuple(residual.shape)} on {residual.device}")
-            residual = residual.detach().contiguous()
-        x = x.detach().contiguous()
-        out = torch.empty(out_shape, dtype=torch.float32, device=x.device)
+            residual = residual.contiguous()
+        x = x.contiguous()
+        out = x.new_empty(out_shape)
         if not x.shape[0]:
             return out
         # On torch's current stream: no sync, no copy, and so capturable in a CUDA graph.
-        with cupy.cuda.Device(x.device.index):
-            if kernel.launches_pointers:
-                # Checked above: the pointers and stream handle alone, no CuPy views and no second
-                # checks (ResNet-50 eagerly at batch 1: ~100 us of host time a conv with them, session 35).
+        if kernel.launches_pointers:
+            # Checked above: the pointers and stream handle alone, no CuPy views and no second
+            # checks (ResNet-50 eagerly at batch 1: ~100 us of host time a conv with them, session 35).
+            with _on_device(device):
                 kernel.launch_pointers(x.data_ptr(), out.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                                       x.shape[0], torch_stream_handle(x.device))
-            else:
-                with on_torch_stream(x.device, self.layer_name):
-                    kwargs = {} if residual is None else {"residual": cupy_view(residual)}
-                    kernel(cupy_view(x), out=cupy_view(out), **kwargs)
+                                       x.shape[0], torch_stream_handle(device))
+        else:
+            with cupy.cuda.Device(device), on_torch_stream(x.device, self.layer_name):
+                kwargs = {} if residual is None else {"residual": cupy_view(residual.detach())}
+                kernel(cupy_view(x.detach()), out=cupy_view(out), **kwargs)
         return out
 
     def extra_repr(self) -> str:
@@ -350,15 +373,13 @@ class IndexFreeMaxPool2d(nn.Module):
             and not (x.requires_grad and torch.is_grad_enabled())
         if not ours:
             return F.max_pool2d(x, s.kernel, s.stride, s.padding, s.dilation, s.ceil_mode)
-        import cupy
-
-        x = x.detach().contiguous()
-        out = torch.empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]), dtype=torch.float32, device=x.device)
+        x = x.contiguous()
+        out = x.new_empty(x.shape[:2] + s.output_size(x.shape[2], x.shape[3]))
         if out.numel():  # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
-            index = x.device.index
-            with cupy.cuda.Device(index):  # on raw pointers, as FusedConv2d's kernels
+            index = x.get_device()
+            with _on_device(index):  # on raw pointers, as FusedConv2d's kernels
                 max_pool2d_pointers(index, x.data_ptr(), out.data_ptr(), tuple(x.shape), s,
-                                    torch_stream_handle(x.device))
+                                    torch_stream_handle(index))
         return out
 
     def extra_repr(self) -> str:
@@ -450,15 +471,13 @@ class GemvLinear(nn.Module):
             ours = gemv_supported(x.shape[0], self.in_features, x.data_ptr(), w.data_ptr())
         if not ours:
             return linear_gemm(x, w, self.bias)
-        import cupy
-
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        index = x.device.index
-        bias = bias.detach().contiguous()
+        out = x.new_empty((x.shape[0], self.out_features))
+        index = x.get_device()
+        bias = bias.contiguous()
         # on torch's stream, zero-copy: capturable in a CUDA graph, like the convs
-        with cupy.cuda.Device(index):  # on raw pointers, checked above: dtypes, devices, sizes, alignment
+        with _on_device(index):  # on raw pointers, checked above: dtypes, devices, sizes, alignment
             linear_gemv_pointers(index, x.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), x.shape[0],
-                                 self.in_features, self.out_features, torch_stream_handle(x.device))
+                                 self.in_features, self.out_features, torch_stream_handle(index))
         return out
 
     def extra_repr(self) -> str:

@@ -948,6 +948,10 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/eager_forward.py", ["vgg16", "--out", "/nonexistent-folder/e.json"],
      "--out /nonexistent-folder/e.json: a .json file in a folder that exists"),
     ("bench/eager_forward.py", ["resnet50", "--out", "e.txt"], "--out e.txt: a .json file in a folder that exists"),
+    ("bench/eager_host.py", ["--out", "h.json", "--repeat", "0"], "--repeat must be 1 or more, got 0"),
+    ("bench/eager_host.py", ["--out", "/nonexistent-folder/h.json"],
+     "--out /nonexistent-folder/h.json: a .json file in a folder that exists"),
+    ("bench/eager_host.py", ["--out", "h.txt"], "--out h.txt: a .json file in a folder that exists"),
 ]
 
 
@@ -955,7 +959,8 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
     """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
-    export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py: exit 2, one line,
+    export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py, eager_host.py:
+    exit 2, one line,
     nothing printed, assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(needle)
