@@ -18,12 +18,11 @@ run() {  # name, pytest args...
 }
 half() {  # name, index (0 or 1), pytest args...: every other test of the selection, by collection order
     local name=$1 index=$2; shift 2
-    local ids
-    ids=$(python -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep '::' |
-          awk -v i="$index" 'NR % 2 == i')
-    [ -n "$ids" ] || { echo "$name: nothing collected"; return; }
-    # shellcheck disable=SC2086  # one node id a word
-    run "$name" $ids
+    local ids=()  # one node id an element: ids may hold spaces (test_gpu_torch's parameters do)
+    mapfile -t ids < <(python -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" 2>/dev/null | grep '::' |
+                       awk -v i="$index" 'NR % 2 == i')
+    [ ${#ids[@]} -gt 0 ] || { echo "$name: nothing collected"; return; }
+    run "$name" "${ids[@]}"
 }
 if [ "$PART" != 2 ]; then
     run conv_a tests/test_gpu_conv.py -k "benchmark_layer" &
