@@ -53,12 +53,15 @@ class _Worker:
     """One build_worker process; build() sends it a job and waits for the answer."""
 
     def __init__(self) -> None:
-        # The worker imports the sparseconv this module came from, wherever that is.
+        # The worker imports the sparseconv this module came from, wherever that is: its folder
+        # first on the path, and not the working folder, which `-m` would put before it
+        # (PYTHONSAFEPATH, Python 3.11+), so a folder named sparseconv there cannot shadow it.
         package_root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "sparseconv.build_worker", str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=dict(os.environ, PYTHONPATH=path), start_new_session=os.name == "posix")
+                                     env=dict(os.environ, PYTHONPATH=path, PYTHONSAFEPATH="1"),
+                                     start_new_session=os.name == "posix")
 
     def build(self, job: LayerJob, target: Target, cache_root: str) -> CompiledLayer:
         try:
@@ -129,6 +132,8 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
         except ValueError as exc:
             raise _naming_layer(exc, j.name) from None
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    if not sys.executable:  # an embedded Python that cannot start another: build here
+        workers = 1
     order = sorted(jobs, key=lambda j: -j.weight.size)  # big layers first: shorter tail
     done: Dict[str, CompiledLayer] = {}
     if not jobs:

@@ -153,14 +153,18 @@ def test_build_many_builds_from_an_unguarded_threaded_script(tmp_path, start_met
     warning silently, so it is shown here and looked for), and the
     caller's script, which has no __name__ guard, runs once whatever
     multiprocessing's start method (under forkserver, the pool of session 36
-    and before stopped every worker at once)."""
+    and before stopped every worker at once). The workers import the
+    caller's sparseconv, not a folder of that name in the working folder."""
     import subprocess
     import sys
 
-    script = tmp_path / "build.py"
+    script, work = tmp_path / "scripts" / "build.py", tmp_path / "work"
+    script.parent.mkdir()
     script.write_text(UNGUARDED_SCRIPT)
+    (work / "sparseconv").mkdir(parents=True)
+    (work / "sparseconv" / "__init__.py").write_text("raise ImportError('the shadow sparseconv in the working folder')")
     done = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", str(script), str(tmp_path / "cache"),
-                           start_method], capture_output=True, text=True, timeout=300)
+                           start_method], capture_output=True, text=True, timeout=300, cwd=work)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["script top ran", "built 2"]
     assert "fork" not in done.stderr, done.stderr[-2000:]
