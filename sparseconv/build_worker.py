@@ -7,8 +7,8 @@ It reads pickled (LayerJob, Target, cache root) tuples from stdin and writes
 a pickled (True, CompiledLayer) or (False, exception) for each to the file
 that was its stdout; anything else it prints goes to stderr, so a stray
 print or warning cannot corrupt a result. It exits at the end of its stdin,
-and when its parent dies (Linux PR_SET_PDEATHSIG; a watcher thread
-elsewhere, and for the moment before prctl)."""
+and when its parent dies (Linux: PR_SET_PDEATHSIG; elsewhere, and for the
+moment before prctl takes effect, a thread that checks every second)."""
 from __future__ import annotations
 
 import ctypes
