@@ -55,7 +55,7 @@ class _Worker:
     def __init__(self) -> None:
         # The worker imports the sparseconv this module came from, wherever that is: its folder
         # first on the path, and not the working folder, which `-m` would put before it
-        # (PYTHONSAFEPATH, Python 3.11+), so a folder named sparseconv there cannot shadow it.
+        # (PYTHONSAFEPATH, Python 3.11+; 3.10 ignores it), so a folder named sparseconv there cannot shadow it.
         package_root = str(Path(__file__).resolve().parent.parent)
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, "-m", "sparseconv.build_worker", str(os.getpid())],
