@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from sparseconv.assemble import assemble_cubin, split_module
+from sparseconv.assemble import assemble_cubin, function_code, split_module
 from sparseconv.compile import compile_to_ptx
 from sparseconv.operators import benchmark_operators
 from sparseconv.render import render
@@ -207,7 +207,64 @@ def test_assemble_reports_each_function_of_a_split_module():
     calls = []
     cubin = assemble_cubin(ptx, Target(), "depthwise", on_function=lambda done, total: calls.append((done, total)))
     assert cubin[:4] == b"\x7fELF"
-    assert calls == [(done, n) for done in range(n + 1)]
+    # Functions that share a ptxas run (GROUP_LINES) are counted when it ends.
+    assert calls[0] == (0, n) and calls[-1] == (n, n) and all(total == n for _, total in calls)
+    assert [done for done, _ in calls] == sorted({done for done, _ in calls})
+
+
+def _function_names(module_text):
+    return re.findall(r"^\.visible \.func (?:\([^)]*\)\s*)?(\w+)\(", module_text, re.M)
+
+
+@pytest.mark.parametrize("name, piece_lines", [("depthwise", None), ("multi_block_multi_chunk", 1)])
+def test_split_module_groups_functions_that_call_none(name, piece_lines):
+    """With a line budget, consecutive k-block functions that call no other
+    share a module, each function in exactly one, the budget kept; a function
+    that calls others (a split k-block's chain of pieces) stays alone, and the
+    entry's module comes last, alone."""
+    rendered, tptx = template(name)
+    w = pruned_weight(np.random.default_rng(2), rendered.shape.weight_shape, 0.5)
+    ptx, _ = specialise(tptx, rendered, w, **({} if piece_lines is None else {"piece_lines": piece_lines}))
+    alone = split_module(ptx)
+    longest = max(len(m.splitlines()) for m in alone[:-1])
+    grouped = split_module(ptx, group_lines=3 * longest)
+    assert len(grouped) < len(alone) and grouped[-1] == alone[-1]
+    names = [n for m in grouped[:-1] for n in _function_names(m)]
+    assert sorted(names) == sorted(n for m in alone[:-1] for n in _function_names(m))
+    for m in grouped[:-1]:
+        funcs = _function_names(m)
+        if len(funcs) > 1:
+            assert "call" not in m and len(m.splitlines()) <= 3 * longest + 20  # + the shared header
+    assert assemble_cubin(ptx, Target(), name)[:4] == b"\x7fELF"
+    # min_modules: no fewer modules than asked (the ptxas runs that keep the threads busy)
+    kblocks = len(alone) - 1
+    assert len(split_module(ptx, group_lines=10 ** 6, min_modules=kblocks)) == len(alone)
+    assert len(split_module(ptx, group_lines=10 ** 6, min_modules=2)) - 1 >= 2
+
+
+def test_grouped_functions_compile_to_the_same_code_as_alone(tmp_path):
+    """ptxas -c compiles each function of a grouped module as it compiles the
+    function alone: every function's code bytes are equal."""
+    import subprocess
+
+    from sparseconv.compile import find_tool
+
+    rendered, tptx = template("depthwise")
+    ptx, _ = specialise(tptx, rendered, pruned_weight(np.random.default_rng(3), rendered.shape.weight_shape, 0.5))
+
+    def text_sections(modules, tag):
+        found = {}
+        for i, module in enumerate(modules):
+            src, obj = tmp_path / f"{tag}{i}.ptx", tmp_path / f"{tag}{i}.o"
+            src.write_text(module)
+            subprocess.run([str(find_tool("ptxas")), "-c", "-arch=sm_90", "-O3", str(src), "-o", str(obj)], check=True)
+            found.update(function_code(obj.read_bytes()))
+        return found
+
+    alone = text_sections(split_module(ptx)[:-1], "a")
+    grouped_modules = split_module(ptx, group_lines=10 ** 6)[:-1]
+    assert len(grouped_modules) == 1 and len(alone) > 2 and all(alone.values())
+    assert text_sections(grouped_modules, "g") == alone
 
 
 def test_a_cached_build_reports_no_assembly(tmp_path):
