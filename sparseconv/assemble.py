@@ -92,9 +92,19 @@ def function_code(obj: bytes) -> Dict[str, bytes]:
     return code
 
 
-def module_functions(module_text: str) -> int:
-    """How many functions (entries included) a module of split_module defines."""
-    return len(re.findall(r"^\s*\.(?:visible \.func|visible \.entry|entry)\b", module_text, re.M))
+_DEFINED_RE = re.compile(r"^\s*\.(?:visible \.func|visible \.entry|entry)\s*(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)", re.M)
+
+
+def module_functions(module_text: str) -> List[str]:
+    """The functions (entries included) a module of split_module defines, in order."""
+    return _DEFINED_RE.findall(module_text)
+
+
+def _naming(functions: List[str]) -> str:
+    """A piece's functions as an error names them: where ptxas failed."""
+    if len(functions) == 1:
+        return f"function {functions[0]}"
+    return f"functions {functions[0]} to {functions[-1]} ({len(functions)}, compiled together)"
 
 
 def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = None,
@@ -118,21 +128,22 @@ def assemble_cubin(ptx: str, target: Target, what: str, jobs: Optional[int] = No
         workers = jobs or os.cpu_count() or 1
         # two ptxas runs a thread at least: grouping must not leave a thread idle
         pieces = split_module(ptx, GROUP_LINES, 2 * workers) if nvlink is not None else [ptx]
-        if len(pieces) <= 2 and module_functions(pieces[0]) <= 1:  # one function and its entry: nothing to gain
+        if len(pieces) <= 2 and len(module_functions(pieces[0])) <= 1:  # one function and its entry: nothing to gain
             src = Path(tmp) / "layer.ptx"
             src.write_text(ptx)
             run_tool([str(ptxas), *flags, str(src), "-o", str(cubin)], ptx, what)
             return cubin.read_bytes()
 
+        functions = [len(names) for names in map(module_functions, pieces)]
+
         def compile_piece(i: int) -> str:
             src, obj = Path(tmp) / f"part{i}.ptx", Path(tmp) / f"part{i}.o"
             src.write_text(pieces[i])
             run_tool([str(ptxas), "-c", *flags, str(src), "-o", str(obj)],
-                     pieces[i], f"{what}, function {i}")
+                     pieces[i], f"{what}, {_naming(module_functions(pieces[i]))}")
             return str(obj)
 
         report = on_function or (lambda done, total: None)
-        functions = [module_functions(p) for p in pieces]
         report(0, sum(functions))
         objects: List[str] = []
         with ThreadPoolExecutor(max_workers=workers) as pool:

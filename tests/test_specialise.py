@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from sparseconv.assemble import assemble_cubin, function_code, split_module
+from sparseconv.assemble import assemble_cubin, function_code, module_functions, split_module
 from sparseconv.compile import compile_to_ptx
 from sparseconv.operators import benchmark_operators
 from sparseconv.render import render
@@ -212,10 +212,6 @@ def test_assemble_reports_each_function_of_a_split_module():
     assert [done for done, _ in calls] == sorted({done for done, _ in calls})
 
 
-def _function_names(module_text):
-    return re.findall(r"^\.visible \.func (?:\([^)]*\)\s*)?(\w+)\(", module_text, re.M)
-
-
 @pytest.mark.parametrize("name, piece_lines", [("depthwise", None), ("multi_block_multi_chunk", 1)])
 def test_split_module_groups_functions_that_call_none(name, piece_lines):
     """With a line budget, consecutive k-block functions that call no other
@@ -229,10 +225,10 @@ def test_split_module_groups_functions_that_call_none(name, piece_lines):
     longest = max(len(m.splitlines()) for m in alone[:-1])
     grouped = split_module(ptx, group_lines=3 * longest)
     assert len(grouped) < len(alone) and grouped[-1] == alone[-1]
-    names = [n for m in grouped[:-1] for n in _function_names(m)]
-    assert sorted(names) == sorted(n for m in alone[:-1] for n in _function_names(m))
+    names = [n for m in grouped[:-1] for n in module_functions(m)]
+    assert sorted(names) == sorted(n for m in alone[:-1] for n in module_functions(m))
     for m in grouped[:-1]:
-        funcs = _function_names(m)
+        funcs = module_functions(m)
         if len(funcs) > 1:
             assert "call" not in m and len(m.splitlines()) <= 3 * longest + 20  # + the shared header
     assert assemble_cubin(ptx, Target(), name)[:4] == b"\x7fELF"
@@ -265,6 +261,30 @@ def test_grouped_functions_compile_to_the_same_code_as_alone(tmp_path):
     grouped_modules = split_module(ptx, group_lines=10 ** 6)[:-1]
     assert len(grouped_modules) == 1 and len(alone) > 2 and all(alone.values())
     assert text_sections(grouped_modules, "g") == alone
+
+
+def test_a_ptxas_failure_names_the_functions_it_was_compiling(tmp_path, monkeypatch):
+    """Where ptxas fails on one module of a split (or grouped) layer, the
+    error names that module's functions, not a piece number."""
+    from sparseconv.compile import CompileError, find_tool
+
+    rendered, tptx = template("depthwise")
+    ptx, _ = specialise(tptx, rendered, pruned_weight(np.random.default_rng(5), rendered.shape.weight_shape, 0.5))
+    tool = tmp_path / "ptxas"  # fails on the module that defines sc_kblock_1, the real ptxas otherwise
+    tool.write_text(f"""#!/bin/sh
+for a; do case "$a" in *.ptx) src="$a";; esac; done
+if [ -n "$src" ] && grep -q '^\\.visible \\.func.* sc_kblock_1(' "$src"; then
+  echo 'ptxas fatal: made to fail here' >&2; exit 1
+fi
+exec {find_tool("ptxas")} "$@"
+""")
+    tool.chmod(0o755)
+    monkeypatch.setenv("SPARSECONV_PTXAS", str(tool))
+    with pytest.raises(CompileError, match="made to fail here") as info:
+        assemble_cubin(ptx, Target(), "layer dw", jobs=2)
+    names = module_functions(info.value.source)
+    assert "sc_kblock_1" in names and info.value.what.startswith("layer dw, function")
+    assert names[0] in info.value.what and names[-1] in info.value.what
 
 
 def test_a_cached_build_reports_no_assembly(tmp_path):
