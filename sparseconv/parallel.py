@@ -28,7 +28,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import click
 import numpy as np
@@ -119,8 +119,9 @@ def _naming_layer(exc: BaseException, name: str) -> BaseException:
 def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cache_dir: Optional[str] = None,
                workers: Optional[int] = None, progress: bool = True) -> Dict[str, CompiledLayer]:
     """Build every job; returns name -> CompiledLayer in the jobs' order. Each
-    layer's stats['seconds'] has its per-stage times and stats['wall_s'] its
-    time in the pool. Raises the first layer's error, naming the layer."""
+    layer's stats['seconds'] has its per-stage times and stats['wall_s'] the
+    time its build took, from the moment a worker took it (not the time it
+    waited for one). Raises the first layer's error, naming the layer."""
     target = target or Target()
     root = str(ArtifactCache(cache_dir).root)
     names = [j.name for j in jobs]
@@ -149,14 +150,14 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
                     layer = build_one(j, target, root)
                 except Exception as exc:
                     raise _naming_layer(exc, j.name) from None
-                _done(done, j.name, layer, t0, bar)
+                _done(done, j.name, layer, time.perf_counter() - t0, bar)
         else:
             _build_in_workers(order, target, root, workers, done, bar)
     return {n: done[n] for n in names}
 
 
-def _done(done: Dict[str, CompiledLayer], name: str, layer: CompiledLayer, t0: float, bar: object) -> None:
-    layer.stats["wall_s"] = time.perf_counter() - t0
+def _done(done: Dict[str, CompiledLayer], name: str, layer: CompiledLayer, seconds: float, bar: object) -> None:
+    layer.stats["wall_s"] = seconds
     done[name] = layer
     bar.update(1, name)  # type: ignore[attr-defined]
 
@@ -172,25 +173,27 @@ def _build_in_workers(order: Sequence[LayerJob], target: Target, root: str, work
         for w in procs:
             idle.put(w)
 
-        def build(job: LayerJob) -> CompiledLayer:
+        def build(job: LayerJob) -> Tuple[CompiledLayer, float]:
+            """The layer and its build's seconds, timed once a worker is free."""
             w = idle.get()
             try:
-                return w.build(job, target, root)
+                t0 = time.perf_counter()
+                return w.build(job, target, root), time.perf_counter() - t0
             finally:
                 idle.put(w)
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sparseconv-build") as threads:
-            started: Dict[Future, tuple] = {}
+            started: Dict[Future, str] = {}
             try:
                 for j in order:
-                    started[threads.submit(build, j)] = (j.name, time.perf_counter())
+                    started[threads.submit(build, j)] = j.name
                 for fut in as_completed(started):
-                    name, t0 = started[fut]
+                    name = started[fut]
                     try:
-                        layer = fut.result()
+                        layer, seconds = fut.result()
                     except Exception as exc:
                         raise _naming_layer(exc, name) from None
-                    _done(done, name, layer, t0, bar)
+                    _done(done, name, layer, seconds, bar)
             except BaseException:
                 # Stop at once: the threads waiting on a killed worker get its end of file.
                 for fut in started:

@@ -2,6 +2,7 @@
 import multiprocessing as mp
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,6 +173,22 @@ def test_build_many_builds_from_an_unguarded_threaded_script(tmp_path, start_met
     assert done.stdout.splitlines() == ["script top ran", "built 2"]
     assert "fork" not in done.stderr, done.stderr[-2000:]
 
+
+
+def test_build_many_times_each_build_not_its_wait_for_a_worker(tmp_path):
+    """stats['wall_s'] (the CLI's "compile s") is the build's own time: four
+    layers on two workers, two of them queued, add up to no more than two
+    workers' time; counted from submission they would add up to ~1.5x that."""
+    from sparseconv.parallel import LayerJob, build_many
+
+    rng = np.random.default_rng(6)
+    jobs = [LayerJob(f"l{i}", pruned_weight(rng, SHAPE.weight_shape, 0.7), SHAPE) for i in range(4)]
+    t0 = time.perf_counter()
+    built = build_many(jobs, cache_dir=str(tmp_path), workers=2, progress=False)
+    elapsed = time.perf_counter() - t0
+    walls = [layer.stats["wall_s"] for layer in built.values()]
+    assert all(w >= sum(layer.stats["seconds"].values()) for w, layer in zip(walls, built.values()))
+    assert sum(walls) <= 2 * elapsed
 
 def _fake_ptxas(folder, body: str):
     tool = folder / "ptxas"
