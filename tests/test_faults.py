@@ -952,6 +952,11 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/eager_host.py", ["--out", "/nonexistent-folder/h.json"],
      "--out /nonexistent-folder/h.json: a .json file in a folder that exists"),
     ("bench/eager_host.py", ["--out", "h.txt"], "--out h.txt: a .json file in a folder that exists"),
+    ("bench/ptxas_groups.py", ["/nonexistent-cache", "--workers", "0"], "--workers must be 1 or more, got 0"),
+    ("bench/ptxas_groups.py", ["/nonexistent-cache", "--out", "g.txt"],
+     "--out g.txt: a .json file in a folder that exists"),
+    ("bench/ptxas_groups.py", ["/nonexistent-cache"],
+     "/nonexistent-cache: no specialised PTX under kernel/ (is it a sparseconv build cache?)"),
 ]
 
 
@@ -959,7 +964,8 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
     """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
-    export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py, eager_host.py:
+    export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py, eager_host.py,
+    ptxas_groups.py:
     exit 2, one line,
     nothing printed, assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)
