@@ -52,6 +52,9 @@ Rules (each was measured this way before it landed):
   staged-table-entries  the table kernel's entries staged in shared memory
                     before it waits on the kernel before (table.STAGE_ENTRIES),
                     not read by each warp from global memory
+  evict-first-weights  weights read as data (the table's entries, the gemv's
+                    weights and entries) loaded with an L2 evict-first policy
+                    (sparseconv.weight_loads.EVICT_FIRST), not a normal one
 """
 from __future__ import annotations
 
@@ -127,6 +130,12 @@ def without_staged_table_entries() -> None:
     table.STAGE_ENTRIES = False  # read by table_tiling at each call
 
 
+def without_evict_first_weights() -> None:
+    import sparseconv.weight_loads as weight_loads
+
+    weight_loads.EVICT_FIRST = False  # read when a table or gemv kernel's source is made
+
+
 def without_expanding_pointwise_blocks() -> None:
     shapes.expanding_pointwise_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
@@ -137,7 +146,8 @@ RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_d
          "gemv": without_gemv, "table": without_table, "overlap-launches": without_overlap_launches,
          "long-table-channels": without_long_table_channels, "image-layer-blocks": without_image_layer_blocks,
          "expanding-pointwise-blocks": without_expanding_pointwise_blocks,
-         "staged-table-entries": without_staged_table_entries}
+         "staged-table-entries": without_staged_table_entries,
+         "evict-first-weights": without_evict_first_weights}
 
 
 def main() -> None:

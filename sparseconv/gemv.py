@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .launch import GRID_DEPENDENCY_CUDA, launch, launch_raw
+from .weight_loads import weight_loads_cuda
 
 # Images a launch serves: each keeps one partial sum a lane and reads x once
 # per weight load; beyond a few images a GEMM reuses the weights better.
@@ -108,13 +109,8 @@ _GEMV_SOURCE = r"""
 // their FMAs. ptxas keeps only ~2 of them in flight a lane (--sass), so the
 // bytes in flight come from warps: SPLIT > 1 gives a 4,096-feature layer
 // enough warps to fill every SM.
-// Weights are read once: not kept in L1, which x (read by every row) uses.
-__device__ __forceinline__ float4 load_weights(const float4* p) {
-    float4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
-        : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    return v;
-}
+// Weights are read once: not kept in L1, which x (read by every row) uses
+// (sc_load_weights4, sparseconv/weight_loads.py).
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_gemv(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
@@ -138,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_gemv(
     for (; j + STEP * (UNROLL - 1) < n4; j += STEP * UNROLL) {
         float4 wv[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) wv[u] = load_weights(wr + j + STEP * u);
+        for (int u = 0; u < UNROLL; ++u) wv[u] = sc_load_weights4(wr + j + STEP * u);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -151,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_gemv(
             }
     }
     for (; j < n4; j += STEP) {  // the row's last, partial step
-        const float4 wv = load_weights(wr + j);
+        const float4 wv = sc_load_weights4(wr + j);
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
             const float4 xv = __ldg(x4 + (long long)b * n4 + j);
@@ -190,7 +186,7 @@ def _source(kernel: str, body: str, batch: int, variant: GemvVariant, activation
         raise ValueError(f"{kernel}: split must be 1, 2, 4 or 8 warps a feature and unroll >= 1, got {variant}")
     return (f"#define BATCH {batch}\n#define UNROLL {variant.unroll}\n#define WARPS {WARPS_PER_BLOCK}\n"
             f"#define SPLIT {variant.split}\n" + activation_macro(activation, clip) + GRID_DEPENDENCY_CUDA
-            + _ROW_SUM_CUDA + body)
+            + weight_loads_cuda() + _ROW_SUM_CUDA + body)
 
 
 def gemv_source(batch: int, variant: GemvVariant = GemvVariant()) -> str:
@@ -316,12 +312,8 @@ _SPARSE_GEMV_SOURCE = r"""
 // `row`; lane l of warp part p takes entry begin + p * 32 + l, then SPLIT * 32
 // further on, UNROLL entry loads a step before their FMAs. An entry is
 // (input column, weight bits); x is gathered by column (every row reads the
-// same x, so it stays in L1/L2), the entries are read once.
-__device__ __forceinline__ uint2 load_entry(const uint2* p) {
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
+// same x, so it stays in L1/L2), the entries are read once (sc_load_entry2,
+// sparseconv/weight_loads.py).
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_sparse_gemv(
     const float* __restrict__ x, const uint2* __restrict__ entries, const int* __restrict__ row_start,
@@ -345,7 +337,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_sparse_gemv(
     for (; j + STEP * (UNROLL - 1) < end; j += STEP * UNROLL) {
         uint2 e[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) e[u] = load_entry(entries + j + STEP * u);
+        for (int u = 0; u < UNROLL; ++u) e[u] = sc_load_entry2(entries + j + STEP * u);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -353,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) sc_sparse_gemv(
                 acc[b] = fmaf(__uint_as_float(e[u].y), __ldg(x + (long long)b * in_features + e[u].x), acc[b]);
     }
     for (; j < end; j += STEP) {  // the row's last, partial step
-        const uint2 e = load_entry(entries + j);
+        const uint2 e = sc_load_entry2(entries + j);
 #pragma unroll
         for (int b = 0; b < BATCH; ++b)
             acc[b] = fmaf(__uint_as_float(e.y), __ldg(x + (long long)b * in_features + e.x), acc[b]);

@@ -39,6 +39,7 @@ import numpy as np
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch
 from .runtime import CallContract
 from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue
+from .weight_loads import weight_loads_cuda
 
 # An entry's first word (unsigned): the byte offset of its weight's input
 # (channel and tap) shifted up by TAP_BITS, the tap in the bits below (the
@@ -222,11 +223,11 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     // round trip overlaps the kernel before, and the loop below reads them at
     // shared-memory latency instead of waiting on each warp's chain of loads.
     extern __shared__ int2 staged[];
-    for (int i = threadIdx.x; i < len; i += 32 * WS) staged[i] = __ldg(entries + b + i);
+    for (int i = threadIdx.x; i < len; i += 32 * WS) staged[i] = sc_load_entry2_l1(entries + b + i);
     __syncthreads();
 #define SC_ENTRY(i) staged[i]
 #else
-#define SC_ENTRY(i) __ldg(entries + b + (i))
+#define SC_ENTRY(i) sc_load_entry2_l1(entries + b + (i))
 #endif
     // The bias is a weight too: read before the wait, not on the block's way out.
     const float bias_k = bias[k];
@@ -297,7 +298,8 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
         consts["LO"] = _float_literal(lo)
     if hi is not None:
         consts["HI"] = _float_literal(hi)
-    return "".join(f"#define {k} {v}\n" for k, v in consts.items()) + GRID_DEPENDENCY_CUDA + _SOURCE
+    return ("".join(f"#define {k} {v}\n" for k, v in consts.items()) + GRID_DEPENDENCY_CUDA + weight_loads_cuda()
+            + _SOURCE)
 
 
 def table_grid(shape: ConvShape, tiling: TableTiling, batch: int) -> Tuple[int, int, int]:

@@ -70,6 +70,9 @@ instruction and its line)
                 barrier.cluster.arrive(.release|.relaxed)(.aligned) and
                 barrier.cluster.wait(.acquire)(.aligned);
                 membar/fence (no-ops: the interpreter is sequential);
+                createpolicy.fractional.L2::* (an opaque value) and the
+                policy operand of ld.global(.nc).L2::cache_hint (must be
+                written; no other effect);
                 griddepcontrol.wait / .launch_dependents (no-ops: one
                 kernel at a time, so the one before has always finished);
                 shfl.sync.bfly.b32 over whole warps (constant lane mask),
@@ -1209,7 +1212,7 @@ class _Decoder:
             elif re.match(r"^v[248]$", p):
                 vec = int(p[1:])
             elif base in _CACHE_QUALIFIERS or "::" in p:
-                if p.endswith("cache_hint"):
+                if p.endswith("cache_hint") and p != "L2::cache_hint":
                     raise PtxInterpreterError(f"unsupported qualifier .{p}")
             else:
                 raise PtxInterpreterError(f"unsupported qualifier .{p} in {'.'.join(parts)}")
@@ -1233,6 +1236,18 @@ class _Decoder:
 
     def op_ld(self, ins, parts, ops):
         space, vec, t = self._mem_parts(parts)
+        if "L2::cache_hint" in parts:
+            # the cache policy operand: read (it must have been written), no other effect
+            if space != "global":
+                raise PtxInterpreterError(".L2::cache_hint needs .global")
+            self._need(ops, 3, parts)
+            policy = self.src(ops[2], "b64")
+            load = self.op_ld(ins, [q for q in parts if q != "L2::cache_hint"], ops[:2])
+
+            def run_hinted(fr, m):
+                policy(fr, m)
+                load(fr, m)
+            return run_hinted
         self._need(ops, 2, parts)
         if space == "param":
             if vec != 1:
@@ -1440,6 +1455,19 @@ class _Decoder:
             dst = np.broadcast_to(np.asarray(_addr(fr, m, dst_base, dst_off), np.int64), (ctx.T,)).copy()
             ctx.async_issue(dst, lanes, vals)
         return run
+
+    def op_createpolicy(self, ins, parts, ops):
+        # createpolicy.fractional.L2::<priority>{.L2::<priority>}.b64 d{, fraction}: an opaque
+        # policy the loads' .L2::cache_hint take; its bits mean nothing to a sequential run.
+        if len(parts) < 4 or parts[1] != "fractional" or parts[-1] != "b64" or \
+                not all(q.startswith("L2::evict_") or q == "L2::evict_unchanged" for q in parts[2:-1]):
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        if len(ops) not in (1, 2):
+            raise PtxInterpreterError(f"{'.'.join(parts)} takes 1 or 2 operands, got {len(ops)}")
+        if len(ops) == 2 and not 0.0 < float(ops[1]) <= 1.0:
+            raise PtxInterpreterError(f"createpolicy fraction must be in (0, 1], got {ops[1]}")
+        d, _ = self.dst(ops[0], "b64")
+        return lambda fr, m: _write(fr, d, np.uint64(0x5C_0001), m)
 
     def op_membar(self, ins, parts, ops):
         return lambda fr, m: None  # one thread at a time: memory is always coherent

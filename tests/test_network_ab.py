@@ -157,3 +157,12 @@ def test_front_end_ab_lists_the_kernels_whose_shares_differ_most(monkeypatch):
     assert lines[2].split()[:5] == ["-10.0", "us", "fx", "20.0", "runner"]
     assert ab.profile_lines({"runner": {"not split": "7 kernel events over 5 calls"}, "fx": side}) == \
         "  profile: runner: 7 kernel events over 5 calls; fx: split"
+
+
+def test_the_evict_first_switch_takes_the_l2_policy_off_the_weight_loads():
+    code = ("from sparseconv.gemv import gemv_source\nfrom sparseconv.table import table_source, table_tiling\n"
+            "from sparseconv.zoo import resnet50\ns = dict(resnet50())['layer4.1.conv2']\n"
+            "print(' '.join(str(int('SC_EVICT_FIRST_WEIGHTS 1' in src)) for src in (gemv_source(1), "
+            "table_source(s, table_tiling(s)))))")
+    assert printed(code) == "1 1"
+    assert printed(code, "evict-first-weights") == "0 0"

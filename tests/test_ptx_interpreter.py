@@ -1342,6 +1342,19 @@ def test_cluster_barrier_deadlock_and_bad_ranks_are_detected():
         run_kernel(plain, "no_cluster", (1, 1, 1), (8, 1, 1), [np.zeros(8, np.float32), 0])
 
 
+def test_loads_with_an_l2_policy_load_and_need_the_policy_written():
+    # the weight loads of sparseconv/weight_loads.py: createpolicy, then ld.global.nc.L2::cache_hint
+    body = ("\tcreatepolicy.fractional.L2::evict_first.b64 %rd4, 1.0;\n"
+            "\tld.global.nc.L1::no_allocate.L2::cache_hint.f32 %f1, [%rd3], %rd4;\n"
+            "\tadd.f32 %f1, %f1, 0f3F800000;\n\tst.global.f32 [%rd3], %f1;")
+    buf = np.arange(8, dtype=np.float32)
+    launch(simple_kernel("hinted", body), "hinted", (1, 1, 1), (8, 1, 1), [buf, 0])
+    np.testing.assert_array_equal(buf, np.arange(8, dtype=np.float32) + 1)
+    unwritten = body.replace("\tcreatepolicy.fractional.L2::evict_first.b64 %rd4, 1.0;\n", "")
+    with pytest.raises(PtxInterpreterError, match="never written|before it was written|unwritten"):
+        run_kernel(simple_kernel("unhinted", unwritten), "unhinted", (1, 1, 1), (8, 1, 1), [buf, 0])
+
+
 def test_unsupported_instruction_names_instruction_and_line():
     ptx = simple_kernel("popc", "\tpopc.b32 %r2, %r1;")
     line = ptx.splitlines().index("\tpopc.b32 %r2, %r1;") + 1
