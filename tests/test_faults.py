@@ -875,7 +875,7 @@ def test_code_prefetch_probe_refuses_bad_arguments_before_any_work(args, needle,
 @pytest.mark.parametrize("args, needle", [
     (["--without", "no-such-rule"], "unknown rule 'no-such-rule'; known: two-wave-splits, direct-cluster, cluster-sum, "
      "wide-direct-chunks, whole-image-split, large-image-blocks, gemv, table, overlap-launches, long-table-channels, "
-     "image-layer-blocks, expanding-pointwise-blocks, staged-table-entries"),
+     "image-layer-blocks, expanding-pointwise-blocks, staged-table-entries, evict-first-weights"),
     (["--batch", "0"], "--batch must be 1 or more, got 0"),
     (["--out", "/no/such/folder/ab.json"], "--out /no/such/folder/ab.json: folder /no/such/folder does not exist"),
 ])
