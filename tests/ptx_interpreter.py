@@ -1279,6 +1279,8 @@ class _Decoder:
 
     def op_st(self, ins, parts, ops):
         space, vec, t = self._mem_parts(parts)
+        if "L2::cache_hint" in parts:
+            raise PtxInterpreterError("unsupported qualifier .L2::cache_hint on st (loads only)")
         self._need(ops, 2, parts)
         if space == "cluster":
             raise PtxInterpreterError("st.shared::cluster is not supported")
@@ -1460,7 +1462,7 @@ class _Decoder:
         # createpolicy.fractional.L2::<priority>{.L2::<priority>}.b64 d{, fraction}: an opaque
         # policy the loads' .L2::cache_hint take; its bits mean nothing to a sequential run.
         if len(parts) < 4 or parts[1] != "fractional" or parts[-1] != "b64" or \
-                not all(q.startswith("L2::evict_") or q == "L2::evict_unchanged" for q in parts[2:-1]):
+                not all(q.startswith("L2::evict_") for q in parts[2:-1]):
             raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
         if len(ops) not in (1, 2):
             raise PtxInterpreterError(f"{'.'.join(parts)} takes 1 or 2 operands, got {len(ops)}")

@@ -1353,6 +1353,10 @@ def test_loads_with_an_l2_policy_load_and_need_the_policy_written():
     unwritten = body.replace("\tcreatepolicy.fractional.L2::evict_first.b64 %rd4, 1.0;\n", "")
     with pytest.raises(PtxInterpreterError, match="never written|before it was written|unwritten"):
         run_kernel(simple_kernel("unhinted", unwritten), "unhinted", (1, 1, 1), (8, 1, 1), [buf, 0])
+    # a store with a policy is not something the kernels do: refused, not silently run
+    stored = body.replace("st.global.f32 [%rd3], %f1;", "st.global.L2::cache_hint.f32 [%rd3], %f1, %rd4;")
+    with pytest.raises(PtxInterpreterError, match="cache_hint on st"):
+        run_kernel(simple_kernel("hinted_store", stored), "hinted_store", (1, 1, 1), (8, 1, 1), [buf, 0])
 
 
 def test_unsupported_instruction_names_instruction_and_line():
