@@ -17,6 +17,7 @@ Each such kernel's source includes weight_loads_cuda(): three loads, each
 the same instruction with or without the policy, as the switch is when the
 source is made. EVICT_FIRST False gives the loads as they were before
 session 39 (no policy); bench/network_ab.py's evict-first-weights rule.
+GPUs older than sm_80 have no cache policies and get the plain loads.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def weight_loads_cuda() -> str:
 
 
 _LOADS = r"""
+#if SC_EVICT_FIRST_WEIGHTS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#undef SC_EVICT_FIRST_WEIGHTS
+#define SC_EVICT_FIRST_WEIGHTS 0  // createpolicy and .L2::cache_hint need sm_80: plain loads before it
+#endif
 #if SC_EVICT_FIRST_WEIGHTS
 // Weights read once a forward: the first lines L2 gives up (sparseconv/weight_loads.py).
 #define SC_HINT ".L2::cache_hint"

@@ -214,3 +214,19 @@ def test_routing_times_no_table_where_the_family_or_the_batch_sizes_rule_it_out(
     assert routable_table(w, None, grouped, Epilogue(), [1], "g") is None  # grouped: not taken by the family
     plain = ConvShape(2, 4, 8, 8, 3, 3, padding=(1, 1))
     assert routable_table(w, None, plain, Epilogue(), [MAX_TABLE_BATCH + 1, 64], "p") is None  # batches too big
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch, hinted", [("sm_90", True), ("sm_80", True), ("sm_75", False)])
+def test_weight_loads_carry_an_l2_policy_from_sm_80_and_compile_before_it(arch, hinted):
+    """sparseconv.weight_loads: the table's and the gemvs' weight loads carry an
+    L2 evict-first policy where the GPU has cache policies (sm_80 on); older
+    GPUs get the same kernels with plain loads, not a compile error."""
+    from sparseconv.gemv import gemv_source, sparse_gemv_source
+
+    shape = SHAPES["3x3-pad1"]
+    for what, source in (("table", table_source(shape, table_tiling(shape))), ("gemv", gemv_source(1)),
+                         ("sparse gemv", sparse_gemv_source(2))):
+        ptx = compile_to_ptx(source, Target(arch), what)
+        assert ("createpolicy.fractional.L2::evict_first" in ptx) == hinted, (what, arch)
+        assert ("L2::cache_hint" in ptx) == hinted, (what, arch)
