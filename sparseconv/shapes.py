@@ -279,6 +279,11 @@ class Target:
     def __post_init__(self) -> None:
         if not (self.arch.startswith("sm_") and self.arch[3:].rstrip("af").isdigit()):
             raise ValueError(f"target arch must look like 'sm_90', got {self.arch!r}")
+        if int(self.arch[3:].rstrip("af")) < MIN_COMPUTE_CAPABILITY:
+            # refused here, not by ptxas after minutes of building ("Feature 'cp.async' requires sm_80")
+            raise ValueError(f"sparseconv builds for sm_{MIN_COMPUTE_CAPABILITY} and newer GPUs (A100, RTX 30xx and "
+                             f"later: its direct kernels stage their input with cp.async); {self.arch} is older. "
+                             f"On such a GPU run the model in PyTorch (cuDNN) instead")
 
     @property
     def has_clusters(self) -> bool:
@@ -294,6 +299,8 @@ class Target:
         return _OPT_IN_SHARED_KB.get(cc, MAX_PATCH_BYTES // 1024) * 1024
 
 
+# The oldest GPU the kernels build for: the direct family's cp.async staging needs sm_80.
+MIN_COMPUTE_CAPABILITY = 80
 _OPT_IN_SHARED_KB = {70: 96, 72: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227,
                      110: 227, 120: 99, 121: 99}
 

@@ -271,6 +271,7 @@ def weight_npy(tmp_path):
     (["--input-size", "2000", "--dilation", "300"], "no tiling fits shared memory"),
     (["--input-size", "46341x46341"], "32-bit"),
     (["--input-size", "8", "--target", "foo"], "target arch must look like"),
+    (["--input-size", "8", "--target", "sm_75"], "sm_80 and newer GPUs"),
     (["--input-size", "8", "--emit-ptx", "/nonexistent-folder/x.ptx"], "does not exist"),
 ])
 def test_layer_arguments_out_of_range(tmp_path, weight_npy, args, needle):

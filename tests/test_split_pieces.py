@@ -131,9 +131,16 @@ def test_piece_state_goes_to_dynamic_shared_memory_past_48_kb():
 
 
 @pytest.mark.parametrize("arch, kb", [("sm_90", 227), ("sm_90a", 227), ("sm_80", 163), ("sm_86", 99),
-                                      ("sm_75", 64), ("sm_999", 48)])
+                                      ("sm_999", 48)])
 def test_targets_know_the_shared_memory_a_block_may_opt_in_to(arch, kb):
     assert Target(arch).max_shared_bytes == kb * 1024
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_70", "sm_52"])
+def test_a_target_older_than_sm_80_is_refused_with_what_to_do(arch):
+    # not after minutes of building, by ptxas on the direct family's cp.async
+    with pytest.raises(ValueError, match=rf"sm_80 and newer GPUs .*{arch} is older.*PyTorch"):
+        Target(arch)
 
 
 def test_piece_state_round_trips_through_dynamic_shared_memory(monkeypatch):
