@@ -301,7 +301,7 @@ class Target:
 
 # The oldest GPU the kernels build for: the direct family's cp.async staging needs sm_80.
 MIN_COMPUTE_CAPABILITY = 80
-_OPT_IN_SHARED_KB = {70: 96, 72: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227,
+_OPT_IN_SHARED_KB = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227,
                      110: 227, 120: 99, 121: 99}
 
 

@@ -228,7 +228,7 @@ def test_weight_loads_carry_an_l2_policy_from_sm_80_and_compile_before_it(arch, 
     for what, source in (("table", table_source(shape, table_tiling(shape))), ("gemv", gemv_source(1)),
                          ("sparse gemv", sparse_gemv_source(2))):
         # sm_75 through nvcc's flag: Target refuses it (the code families need sm_80), but NVRTC
-        # would compile these two kernels for whatever GPU it is on
+        # compiles these three kernels for whatever GPU they are called on (linear_gemv, TableConv2d)
         ptx = compile_to_ptx(source, Target(), what, extra_flags=[f"-arch={arch}"])
         assert ("createpolicy.fractional.L2::evict_first" in ptx) == hinted, (what, arch)
         assert ("L2::cache_hint" in ptx) == hinted, (what, arch)
