@@ -36,7 +36,7 @@ if [ "$PART" != 1 ]; then
     half conv_c0 0 tests/test_gpu_conv.py -k "fused_epilogue" &
     half conv_c1 1 tests/test_gpu_conv.py -k "fused_epilogue" &
     run rest tests/test_gpu_tune.py tests/test_gpu_zoo.py tests/test_gpu_model.py tests/test_benchmark.py \
-        tests/test_ptx_interpreter.py &
+        tests/test_clocks.py tests/test_ptx_interpreter.py &
     run onnx tests/test_gpu_onnx.py tests/test_gpu_onnx_fuse.py tests/test_gpu_onnx_graph.py tests/test_gpu_onnx_fx.py &
     run linear tests/test_gpu_linear.py tests/test_gemv.py &
     run table tests/test_gpu_table.py tests/test_gpu_launch.py &

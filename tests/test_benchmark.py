@@ -495,5 +495,6 @@ def test_bench_cli_on_the_shipped_model(tmp_path, session_cache_dir, monkeypatch
     assert [r["layer"] for r in doc["rows"]] == ["/conv1/Conv", "/conv2/Conv"]
     assert all(r["sparsity"] is None and r["check"]["sparseconv"]["ok"] for r in doc["rows"])
     assert doc["meta"]["sparsities"] is None
+    assert doc["meta"]["gpu_clocks"]["samples"] == 2 and doc["meta"]["gpu_clocks"]["sm_mhz"][0] > 0  # one a row
     assert [(c["layer_class"], c["layers"]) for c in doc["classes"]] == [("stem", 1), ("3x3", 1)]
     assert "Summed by layer class" in res.output

@@ -105,6 +105,17 @@ def test_table_has_times_speedups_exactness_and_failures():
     assert "ResNet-50 batch 64 compile fp32: RuntimeError: inductor failed" in text
 
 
+def test_a_run_whose_gpu_state_moved_says_so_under_the_table_and_in_the_json():
+    r = _report()
+    r.gpu_clocks = {"samples": 10, "sm_mhz": [1410, 1980]}
+    r.run_warnings.append("the GPU's state moved during this run (the SM clock ranged 1410-1980 MHz; 10 samples)")
+    assert format_table([r]).endswith("- warning, ResNet-50: the GPU's state moved during this run (the SM clock "
+                                      "ranged 1410-1980 MHz; 10 samples)")
+    data = json.loads(r.to_json())
+    assert data["gpu_clocks"]["sm_mhz"] == [1410, 1980] and len(data["run_warnings"]) == 1
+    assert "warning" not in format_table([_report()])
+
+
 def test_report_json_round_trips_and_flags_inexact_sparseconv():
     r = _report()
     data = json.loads(r.to_json())

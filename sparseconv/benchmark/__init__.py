@@ -25,12 +25,18 @@ table's output too, check key "table"), and
 the im2col baselines against the float64 reference once per layer and
 weights, so a wrong kernel or baseline cannot produce a flattering ratio.
 
+After each row the GPU's SM clock, temperature, power and slowdown reasons
+are read through NVML (clocks.py): the JSON keeps their ranges, and a run
+whose clocks fell, was slowed by heat or power, or shared the GPU with
+another process ends with a note saying its times are suspect.
+
 torch and matplotlib are optional: without torch the cuDNN columns are absent,
 and only the PNG plot needs matplotlib.
 
 The package: rows.py (the row record, the floor), baselines.py (cuDNN, cuBLAS,
-cuSPARSE, im2col), run.py (run_bench), report.py (geomeans, the summary by
-layer class, the table, the plot), cli.py (the click command)."""
+cuSPARSE, im2col), clocks.py (the GPU's state over the run), run.py
+(run_bench), report.py (geomeans, the summary by layer class, the table, the
+plot), cli.py (the click command)."""
 from .report import (BenchResult, class_summary, format_table, geomean, geomean_speedups, layer_class, plot_sweep,
                      sweep_figure)
 from .rows import BASELINES, MAX_REL_L2, PATHS, BenchError, BenchRow, Check, floor_us

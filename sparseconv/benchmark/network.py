@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import click
 
 from ..cli_options import invoked_command, parse_size
+from .clocks import ClockWatch
 from .output import write_atomically
 
 VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
@@ -60,6 +61,9 @@ class NetworkReport:
     plan: Dict[str, int] = field(default_factory=dict)   # "bn+add+relu" -> how many convs, "kept" -> ...
     # Each conv's path and why: the routing's times for "dense" and "mixed"
     plan_layers: List[Dict[str, str]] = field(default_factory=list)
+    # The GPU's SM clock, temperature, power and slowdowns over the timings (benchmark.clocks)
+    gpu_clocks: Dict[str, Any] = field(default_factory=dict)
+    run_warnings: List[str] = field(default_factory=list)  # e.g. the GPU's clocks moved during the run
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -245,6 +249,7 @@ def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], 
          input_size: Optional[Tuple[int, int]], seed: int,
          variants: Sequence[str], repeat: int, cache_dir: Optional[str], progress: bool,
          command: str, prune_linears: bool) -> NetworkReport:
+    import cupy
     import torch
 
     from ..torch import CudaGraphModule, sparsify  # torch: imported when timed
@@ -257,6 +262,7 @@ def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], 
     net = loaded.module.to(device).eval()
     report = NetworkReport(name, torch.cuda.get_device_name(device), time.strftime("%Y-%m-%d"), command,
                            loaded.sparsity, tuple(in_shape[1:]))
+    clocks = ClockWatch(cupy.cuda.Device(device.index).pci_bus_id)  # sampled after each timing
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     inputs = {b: torch.randn(b, *in_shape, generator=gen).to(device) for b in batches}
     with torch.no_grad():
@@ -301,6 +307,7 @@ def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], 
                     y = model(inputs[b])
                     rel, top1 = exactness(y, refs[b])
                     us = time_forward_us(model, inputs[b], repeat=repeat)
+                    clocks.sample()
                     report.timings.append(NetworkTiming(name, b, variant, us, rel, top1))
                 except Exception as exc:  # noqa: BLE001
                     if variant == "sparseconv":
@@ -309,6 +316,10 @@ def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], 
                                                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
             del model
             torch.cuda.empty_cache()
+    report.gpu_clocks = clocks.summary()
+    warning = clocks.warning()
+    if warning:
+        report.run_warnings.append(warning)
     return report
 
 
@@ -348,6 +359,7 @@ def format_table(reports: Sequence[NetworkReport]) -> str:
             cells.append("–" if t is None or t.rel_l2 is None else f"{t.rel_l2:.1e} / {100 * (t.top1 or 0):.0f}%")
         lines.append(f"| {net}, {batch} | " + " | ".join(cells) + " |")
     notes = [f"- {t.network} batch {t.batch} {t.variant}: {t.note}" for r in reports for t in r.timings if t.note]
+    notes += [f"- warning, {r.network}: {w}" for r in reports for w in r.run_warnings]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

@@ -25,6 +25,7 @@ from ..table import MAX_TABLE_BATCH, TableConv2d, table_supported
 from ..testing import pruned_weight, relative_l2
 from ..timing import Capture, cupy_graph, one_line, time_gpu, torch_graph
 from .baselines import IM2COL_BASELINES, check_baselines, cudnn_launch, im2col_runners, import_torch
+from .clocks import ClockWatch
 from .report import SHORT, BenchResult, check_cell
 from .rows import BASELINES, MAX_REL_L2, PATHS, TORCH_BASELINES, BenchError, BenchRow, Check, floor_us
 
@@ -208,6 +209,7 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
                          "out F-order (K, N*Ho*Wo); the transpose to NCHW is not timed"))
 
     by_name = {layer.name: layer for layer in layers}
+    clocks = ClockWatch(cupy.cuda.Device().pci_bus_id)  # sampled after each row: did the GPU's clocks hold?
     rng = cupy.random.default_rng(config.seed)
     cupy_capture = cupy_graph if config.graphs else None
     torch_capture = torch_graph if config.graphs else None
@@ -230,9 +232,15 @@ def run_bench(layers: Sequence[BenchLayer], config: BenchConfig, command: str = 
                 _time_row(row, timed, layer, w, baselines, torch, config, rng, cupy_capture, torch_capture)
                 for b, c in base_check.items():
                     row.add_check(b, c)
+                clocks.sample()
                 rows.append(row)
                 log(_progress_line(row))
                 _free_gpu(torch)
+    meta["gpu_clocks"] = clocks.summary()
+    warning = clocks.warning()
+    if warning:
+        notes.append(warning)
+        log(f"warning: {warning}")
     return BenchResult(meta, rows, notes)
 
 
