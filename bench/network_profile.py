@@ -23,6 +23,10 @@ counts only for what it adds, so the parts add up to the span.
     python bench/network_profile.py resnet50 --batch 1 --batch 64 --out prof.json
     python bench/network_profile.py resnet50 --batch 1 --per-layer --out prof_b1.json
 
+The GPU's clocks are sampled around each timing (sparseconv.benchmark.clocks;
+`gpu_clocks` in the JSON), and a warning is printed where they moved: an
+A/B pair is only as good as the runs' clocks.
+
 Categories: "sparseconv" (our conv kernels), "reduce" (split reductions),
 "cudnn/cublas" (routed convs, Linear), "other" (pooling, copies, adds).
 """
@@ -35,8 +39,10 @@ import time
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import cupy
 import torch
 
+from sparseconv.benchmark.clocks import ClockWatch
 from sparseconv.benchmark.network import time_forward_us
 from sparseconv.fx import FusedConv2d, _KernelNode
 from sparseconv.torch import CudaGraphModule, sparsify
@@ -237,10 +243,13 @@ def main() -> None:
                                      "date": time.strftime("%Y-%m-%d"), "sparsify_s": time.time() - t0,
                                      "plan": [f"{p.name}: {p.action} {'+'.join(p.fused)} {p.reason}"
                                               for p in fast.sparseconv_plan]}
+        clocks = ClockWatch(cupy.cuda.Device(torch.cuda.current_device()).pci_bus_id)  # did the GPU keep its speed?
         for b in batches:
             x = torch.randn(b, 3, 224, 224, device=dev)
             graph_us = time_forward_us(CudaGraphModule(fast), x)
+            clocks.sample()
             prof = profile(fast, x)
+            clocks.sample()
             prof["graph_replay_us"] = graph_us
             prof["routed_sum_us"] = routed_sum_us(result["plan"], b)
             result[f"batch{b}"] = prof
@@ -270,6 +279,9 @@ def main() -> None:
                           f"{'-' if replay_share is None else f'{replay_share:9.1f}':>9s} "
                           f"{row['sparseconv_hot']:9.1f} {row['sparseconv_cold']:7.1f} {row['dense_hot']:10.1f} "
                           f"{row['dense_cold']:7.1f} {row['code_bytes'] / 1024:8.0f}")
+        result["gpu_clocks"] = clocks.summary()
+        if clocks.warning():
+            print(f"warning: {clocks.warning()}")
     for line in result["plan"]:
         print(line)
     if args.out:
