@@ -35,9 +35,15 @@ def pruned(model: nn.Module, generator: torch.Generator) -> nn.Module:
 
 
 def main() -> None:
-    import torchvision
-
+    try:
+        import torchvision
+    except ImportError as exc:
+        sys.exit(f"bench/torchvision_front_end.py needs torchvision ({exc}): pip install torchvision")
     names = sys.argv[1:] or MODELS
+    unknown = [n for n in names if not callable(getattr(torchvision.models, n, None))]
+    if unknown:
+        print(f"unknown torchvision model {unknown[0]!r}; e.g. {', '.join(MODELS)}", file=sys.stderr)
+        sys.exit(2)
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}; float64, CPU, 1x3x224x224")
     generator = torch.Generator().manual_seed(0)
     for name in names:

@@ -1150,3 +1150,20 @@ def test_bench_network_refuses_an_onnx_file_it_cannot_time_before_any_work(tmp_p
                                   str(tmp_path / "r.png")])
     refused(r, needle)
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.png").exists()
+
+
+def test_torchvision_front_end_says_what_it_needs_or_refuses_an_unknown_model():
+    """bench/torchvision_front_end.py: without torchvision (CI) it says how to
+    get it; with it, an unknown model name exits 2 naming the name and some
+    that exist, before any model is built."""
+    import importlib.util
+
+    r = _bench("bench/torchvision_front_end.py", "no_such_net")
+    if importlib.util.find_spec("torchvision") is None:
+        assert r.returncode == 1 and "pip install torchvision" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == ("unknown torchvision model 'no_such_net'; e.g. mobilenet_v2, mobilenet_v3_small, "
+                                    "densenet121, efficientnet_b0, squeezenet1_1, regnet_y_400mf, convnext_tiny, "
+                                    "shufflenet_v2_x0_5, googlenet, resnext50_32x4d, vgg11_bn, alexnet, mnasnet0_5")
+    assert "traced=" not in r.stdout
