@@ -1,6 +1,6 @@
-"""The torch.fx front end on torchvision's CNN families, on the CPU: each model
-pruned to 90% random unstructured zeros (BN statistics randomised so folding
-is checked), traced and fused by `sparseconv.fx.prepare` in float64, and its
+"""The torch.fx front end on torchvision's CNN families, on the CPU: each model's
+convs pruned to 90% zeros by magnitude (zoo_torch.prune_convs_, as the
+built-in networks are; BN statistics randomised so folding is checked), traced and fused by `sparseconv.fx.prepare` in float64, and its
 output compared with the original's. Prints, per model, whether it traced,
 the relative error, and what each conv had fused into it (or why it was kept).
 
@@ -18,16 +18,16 @@ import torch
 from torch import nn
 
 from sparseconv.fx import prepare
+from sparseconv.zoo_torch import prune_convs_
 
 MODELS = ["mobilenet_v2", "mobilenet_v3_small", "densenet121", "efficientnet_b0", "squeezenet1_1", "regnet_y_400mf",
           "convnext_tiny", "shufflenet_v2_x0_5", "googlenet", "resnext50_32x4d", "vgg11_bn", "alexnet", "mnasnet0_5"]
 
 
 def pruned(model: nn.Module, generator: torch.Generator) -> nn.Module:
+    prune_convs_(model, 0.9)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, nn.Conv2d):
-                m.weight.mul_((torch.rand(m.weight.shape, generator=generator) >= 0.9).to(m.weight.dtype))
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.5, 0.5, generator=generator)
                 m.running_var.uniform_(0.5, 1.5, generator=generator)

@@ -4,7 +4,7 @@ computing on it, sampled after each measurement. A run whose clocks fell, or
 that shared the GPU, says so in its report instead of passing for slower (or
 faster) kernels: session 40's `bench --model` on an H100 timed ResNet-50's
 three identical layer1.x.conv3 at batch 64 in 118, 149 and 222 µs, and
-cuDNN's figures moved by as much, with nothing in the report to tell.
+cuDNN's figures moved more, with nothing in the report to tell.
 
 Read through NVML (libnvidia-ml.so.1, installed with the NVIDIA driver) by
 ctypes, as sparseconv.launch reaches libcuda: no package to add. Where NVML
@@ -105,8 +105,7 @@ class ClockWatch:
         self._handle = ctypes.c_void_p()
         self._reasons = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) \
             or getattr(lib, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
-        processes = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)
-        self._processes = processes
+        self._processes = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None)
         if self._reasons is None:
             self.why_not = "this NVML has no nvmlDeviceGetCurrentClocksEventReasons"
             return
