@@ -1,10 +1,15 @@
-"""ResNet-50 and VGG-16 as torch modules, for the whole-network bench.
+"""ResNet-50, VGG-16, ResNeXt-50 and MobileNetV2 as torch modules, for the
+whole-network bench.
 
 torchvision is not a dependency, so these are small faithful copies of
 torchvision's definitions (ResNet-50 v1.5: the stride sits in the 3x3 conv of
-each bottleneck; VGG-16 without BN, with torchvision's classifier), with the
-same parameter names and counts (25,557,032 and 138,357,544), seeded random
-weights, and every conv prunable to a given sparsity by magnitude.
+each bottleneck; VGG-16 without BN, with torchvision's classifier;
+ResNeXt-50 32x4d: ResNet-50 with 32-group 3x3 convs twice as wide;
+MobileNetV2: depthwise 3x3 convs between 1x1 expansions and projections,
+ReLU6), with the same parameter names and counts (25,557,032, 138,357,544,
+25,028,904 and 3,504,872), seeded random weights, and every conv prunable to
+a given sparsity by magnitude. The last two bring the layer classes the first
+two lack: grouped and depthwise convs.
 """
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ from torch import nn
 class Bottleneck(nn.Module):
     expansion = 4
 
-    def __init__(self, c_in: int, width: int, stride: int = 1, downsample: Optional[nn.Module] = None) -> None:
+    def __init__(self, c_in: int, width: int, stride: int = 1, downsample: Optional[nn.Module] = None,
+                 groups: int = 1, out: Optional[int] = None) -> None:
         super().__init__()
+        out = width * self.expansion if out is None else out
         self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, width * self.expansion, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(width * self.expansion)
+        self.conv3 = nn.Conv2d(width, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
 
@@ -40,6 +47,9 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
+    # ResNet-50 has one group of 64 channels a bottleneck per 64 of its planes; ResNeXt-50 32x4d, 32 of 4
+    GROUPS, WIDTH_PER_GROUP = 1, 64
+
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
@@ -47,15 +57,17 @@ class ResNet50(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         c_in = 64
-        for i, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+        for i, (planes, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+            width = planes * self.WIDTH_PER_GROUP // 64 * self.GROUPS
             layers: List[nn.Module] = []
             for b in range(blocks):
                 s = stride if b == 0 else 1
                 down = None
-                if b == 0 and (s != 1 or c_in != width * 4):
-                    down = nn.Sequential(nn.Conv2d(c_in, width * 4, 1, stride=s, bias=False), nn.BatchNorm2d(width * 4))
-                layers.append(Bottleneck(c_in, width, s, down))
-                c_in = width * 4
+                if b == 0 and (s != 1 or c_in != planes * 4):
+                    down = nn.Sequential(nn.Conv2d(c_in, planes * 4, 1, stride=s, bias=False),
+                                         nn.BatchNorm2d(planes * 4))
+                layers.append(Bottleneck(c_in, width, s, down, self.GROUPS, planes * 4))
+                c_in = planes * 4
             setattr(self, f"layer{i}", nn.Sequential(*layers))
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(2048, num_classes)
@@ -64,6 +76,53 @@ class ResNet50(nn.Module):
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class ResNeXt50(ResNet50):
+    """ResNeXt-50 32x4d (torchvision's resnext50_32x4d): 3x3 convs of 32 groups."""
+    GROUPS, WIDTH_PER_GROUP = 32, 4
+
+
+def conv_bn_relu6(c_in: int, c_out: int, kernel: int = 3, stride: int = 1, groups: int = 1) -> nn.Sequential:
+    """torchvision's Conv2dNormActivation with ReLU6: the names its state dict uses (0 conv, 1 BN)."""
+    return nn.Sequential(nn.Conv2d(c_in, c_out, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+                         nn.BatchNorm2d(c_out), nn.ReLU6(inplace=True))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        self.use_res_connect = stride == 1 and c_in == c_out
+        layers: List[nn.Module] = [conv_bn_relu6(c_in, hidden, 1)] if expand != 1 else []
+        layers += [conv_bn_relu6(hidden, hidden, 3, stride, groups=hidden),  # depthwise
+                   nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out)]  # linear projection: no ReLU
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res_connect else self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    # (expansion, output channels, blocks, stride of the first), torchvision's inverted_residual_setting
+    SETTING = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+               (6, 320, 1, 1)]
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers: List[nn.Module] = [conv_bn_relu6(3, 32, 3, 2)]
+        c_in = 32
+        for t, c, n, s in self.SETTING:
+            for i in range(n):
+                layers.append(InvertedResidual(c_in, c, s if i == 0 else 1, t))
+                c_in = c
+        layers.append(conv_bn_relu6(c_in, 1280, 1))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), (1, 1))
+        return self.classifier(torch.flatten(x, 1))
 
 
 class VGG16(nn.Module):
@@ -89,7 +148,8 @@ class VGG16(nn.Module):
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
 
-NETWORKS: Dict[str, Callable[[], nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16}
+NETWORKS: Dict[str, Callable[[], nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16, "resnext50": ResNeXt50,
+                                                "mobilenet_v2": MobileNetV2}
 
 
 def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False,

@@ -55,6 +55,23 @@ def test_built_in_vgg16_small_input(session_cache_dir):
     assert ours.rel_l2 <= 1e-5 and ours.top1 == 1.0
 
 
+def test_built_in_depthwise_network_small_input(session_cache_dir):
+    """MobileNetV2's depthwise convs with ReLU6 and its projections with their
+    shortcut, through sparsify at batch 1 and 3, against the float64 original.
+    (ResNeXt-50's cold build is too long for a test, >150 s on 16 cores; its
+    grouped convs are tested layer by layer, test_gpu_conv's odd layers, and
+    `bench --network resnext50` fails a run whose output is not exact.)"""
+    from sparseconv.benchmark.network import run_network_bench
+
+    convs = 52
+    report = run_network_bench("mobilenet_v2", (1, 3), input_size=(32, 32), variants=["sparseconv"], repeat=3,
+                               cache_dir=str(session_cache_dir), progress=False)
+    assert sum(report.plan.values()) == convs and "kept" not in report.plan
+    assert len(report.plan_layers) == convs and all(d["fused"].startswith("bn") for d in report.plan_layers)
+    for t in report.timings:
+        assert t.rel_l2 <= 1e-5 and t.top1 == 1.0 and t.us > 0
+
+
 def test_an_onnx_file_runs_through_the_network_bench(session_cache_dir):
     """The shipped LeNet (ONNX), converted by onnx_torch: sparsify's kernels
     against float64 of the same converted network, at its own input size."""

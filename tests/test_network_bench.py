@@ -11,7 +11,7 @@ from torch import nn  # noqa: E402
 from sparseconv.benchmark.network import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
                                       format_table, network_command, parse_batches, plan_layers, plot_report,
                                       report_figure, run_network_bench)
-from sparseconv.zoo_torch import ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
+from sparseconv.zoo_torch import MobileNetV2, ResNeXt50, ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
 
 
 def n_params(m):
@@ -38,6 +38,78 @@ def test_vgg16_matches_torchvision_in_size_and_output_shape():
     assert not any(isinstance(b, nn.BatchNorm2d) for b in m.modules())
     with torch.no_grad():
         assert m(torch.randn(1, 3, 32, 32)).shape == (1, 1000)  # adaptive pooling to 7x7 as torchvision
+
+
+def test_resnext50_matches_torchvision_in_size_and_has_32_group_3x3_convs():
+    m = ResNeXt50().eval()
+    assert n_params(m) == 25_028_904  # torchvision's resnext50_32x4d
+    convs = {n: c for n, c in m.named_modules() if isinstance(c, nn.Conv2d)}
+    assert len(convs) == 53
+    grouped = [n for n, c in convs.items() if c.groups > 1]
+    assert len(grouped) == 16 and all(convs[n].groups == 32 and convs[n].kernel_size == (3, 3) for n in grouped)
+    assert convs["layer1.0.conv2"].in_channels == 128 and convs["layer4.2.conv3"].out_channels == 2048  # 32 x 4d
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_mobilenet_v2_matches_torchvision_in_size_and_names():
+    m = MobileNetV2().eval()
+    assert n_params(m) == 3_504_872  # torchvision's mobilenet_v2
+    convs = {n: c for n, c in m.named_modules() if isinstance(c, nn.Conv2d)}
+    assert len(convs) == 52
+    depthwise = [c for c in convs.values() if c.groups > 1]
+    assert len(depthwise) == 17 and all(c.groups == c.in_channels == c.out_channels for c in depthwise)
+    # torchvision's parameter names, so its state dicts would load
+    names = dict(m.named_parameters())
+    assert {"features.0.0.weight", "features.1.conv.0.0.weight", "features.1.conv.1.weight",
+            "features.2.conv.3.weight", "features.18.1.bias", "classifier.1.weight"} <= set(names)
+    with torch.no_grad():
+        assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_the_zoo_shapes_of_mobilenet_v2_are_the_modules_convs():
+    """sparseconv.zoo.mobilenet_v2 (no torch: split_probe, bench --model) names
+    and shapes the 52 convs as the torch module runs them at 224x224."""
+    from sparseconv.zoo import mobilenet_v2
+
+    m, seen = MobileNetV2().eval(), {}
+    for name, conv in m.named_modules():
+        if isinstance(conv, nn.Conv2d):
+            conv.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (args[0].shape, mod)))
+    with torch.no_grad():
+        m(torch.randn(1, 3, 224, 224))
+    zoo = dict(mobilenet_v2())
+    assert list(zoo) == list(seen)
+    for name, (x_shape, conv) in seen.items():
+        s = zoo[name]
+        assert (s.in_channels, s.in_h, s.in_w) == tuple(x_shape[1:]), name
+        assert (s.out_channels, (s.kernel_h, s.kernel_w), s.stride, s.padding, s.groups) == \
+            (conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.groups), name
+
+
+@pytest.mark.parametrize("name, fused", [
+    # ResNeXt-50: as ResNet-50, every conv takes its BN, the last of a bottleneck its add and ReLU
+    ("resnext50", {"bn+relu": 33, "bn": 4, "bn+add+relu": 16}),
+    # MobileNetV2: ReLU6 after the expansions and depthwise convs, the projection adds its shortcut where it has one
+    ("mobilenet_v2", {"bn+relu6": 35, "bn": 7, "bn+add": 10}),
+])
+def test_the_new_built_ins_go_through_the_fx_front_end_whole_and_exact(name, fused):
+    """Every conv of the grouped and depthwise networks is compiled (none kept),
+    BN folded and the epilogue fused, and the rewritten graph computes the
+    original in float64 (the passes, not the kernels: those need a GPU)."""
+    from collections import Counter
+
+    from sparseconv.fx import prepare
+
+    model = build_network(name, sparsity=0.9, seed=1).double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    front = prepare(model, x, dtypes=(torch.float64,))
+    assert front.traced and all(p.action == "sparseconv" for p in front.plans), \
+        [(p.name, p.reason) for p in front.plans if p.action != "sparseconv"]
+    assert Counter("+".join(p.fused) for p in front.plans) == fused
+    with torch.no_grad():
+        want, got = model(x), front.module(x)
+    assert float((got - want).norm() / want.norm()) < 1e-12
 
 
 @pytest.mark.parametrize("sparsity", [0.5, 0.9])
@@ -74,6 +146,18 @@ def test_built_in_network_is_pruned_seeded_and_in_eval_mode():
     assert torch.isfinite(y).all() and float(y.std()) > 0
     with pytest.raises(ValueError, match="unknown network 'alexnet'"):
         build_network("alexnet")
+
+
+@pytest.mark.parametrize("name", ["resnext50", "mobilenet_v2"])
+def test_the_grouped_and_depthwise_built_ins_are_pruned_in_every_conv(name):
+    m = build_network(name, sparsity=0.9, seed=0)
+    for c in m.modules():
+        if isinstance(c, nn.Conv2d):
+            # a depthwise 3x3 of 16 channels has 144 weights: 130 zeroed of them is 0.903
+            assert abs(float((c.weight == 0).double().mean()) - 0.9) <= 0.5 / c.weight.numel() + 1e-9
+    with torch.no_grad():
+        y = m(torch.randn(2, 3, 64, 64))
+    assert torch.isfinite(y).all() and float(y.std()) > 0
 
 
 def test_exactness_is_relative_l2_and_top1_agreement():

@@ -31,7 +31,8 @@ from .output import write_atomically
 VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile TF32")
 TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
 EXACT_REL_L2 = 1e-5  # the sparseconv output must be this close to float64, or the run fails
-NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16"}
+# The built-in networks (zoo_torch.NETWORKS) by their names in tables
+NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "resnext50": "ResNeXt-50 32x4d", "mobilenet_v2": "MobileNetV2"}
 
 
 class NetworkBenchError(Exception):
@@ -215,7 +216,7 @@ def run_network_bench(network: Union[str, Path, Any, LoadedNetwork] = "resnet50"
                       input_size: Optional[Tuple[int, int]] = None, seed: int = 0,
                       variants: Sequence[str] = VARIANTS, repeat: int = 30, cache_dir: Optional[str] = None,
                       progress: bool = True, command: str = "", prune_linears: bool = False) -> NetworkReport:
-    """Time `network` ("resnet50", "vgg16" with every conv pruned to
+    """Time `network` (a built-in one, NAMES, with every conv pruned to
     `sparsity`, and every nn.Linear too with prune_linears; an ONNX file,
     converted by onnx_torch, or an nn.Module, each timed as given; or one
     load_network loaded) per forward at each batch size (input_size: H x W,
@@ -425,7 +426,8 @@ def parse_batches(text: str) -> Tuple[int, ...]:
 
 @click.command("network")
 @click.option("--network", "network", default="resnet50", show_default=True,
-              help="Built-in network (resnet50 or vgg16, pruned here), or an ONNX file (timed with its own weights).")
+              help="Built-in network (resnet50, vgg16, resnext50 or mobilenet_v2, pruned here), or an ONNX file "
+                   "(timed with its own weights).")
 @click.option("--batch", "batch_text", default="1,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=0.9, show_default=True,
               help="Every conv is pruned to this fraction of zeros (by magnitude).")
