@@ -46,7 +46,7 @@ from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_ti
                                variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import pruned_model, resnet50, vgg16
+from sparseconv.zoo import MODELS, pruned_model
 
 
 def parse_cand(shape, text: str, batch: int):
@@ -194,7 +194,7 @@ def main() -> None:
         ap.error("--sparsity draws random weights; it does not apply to --weights zoo")
     if not all(0 <= v <= 1 for v in args.sparsity):
         ap.error(f"--sparsity must lie in [0, 1], got {args.sparsity}")
-    nets = {"resnet50": dict(resnet50()), "vgg16": dict(vgg16())}
+    nets = {name: dict(layers()) for name, layers in MODELS.items()}
     epilogues = {"none": Epilogue(), "relu": Epilogue("relu"), "add+relu": Epilogue("relu", residual=True)}
     chosen = args.epilogue.split(",")
     if not set(chosen) <= set(epilogues):
@@ -207,6 +207,10 @@ def main() -> None:
             suffix_fields(c.split(":")[1:])
         except ValueError as e:
             ap.error(f"--cands {c}: {e}")
+    for lname in args.layers.split(","):
+        net, _, name = lname.partition(":")
+        if name not in nets.get(net, {}):
+            ap.error(f"--layers: {lname!r} is not <{'|'.join(nets)}>:<layer>, e.g. mobilenet_v2:features.16.conv.1.0")
     rng = np.random.default_rng(0)
     used = {lname.split(":")[0] for lname in args.layers.split(",")}
     zoo = {net: {name: w for name, _, w in pruned_model(net, 0.9)} for net in used} if args.weights == "zoo" else {}

@@ -1,4 +1,4 @@
-"""Conv layer shapes of VGG-16 and ResNet-50 (torchvision, ImageNet 224x224 input),
+"""Conv layer shapes of VGG-16, ResNet-50 and MobileNetV2 (torchvision, ImageNet 224x224 input),
 and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
 from __future__ import annotations
 
@@ -38,7 +38,30 @@ def resnet50() -> List[Tuple[str, ConvShape]]:
     return layers
 
 
-MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50}
+def mobilenet_v2() -> List[Tuple[str, ConvShape]]:
+    """52 convs, named as torchvision's (and zoo_torch.MobileNetV2's) modules:
+    the stem, then per inverted residual a 1x1 expansion (not in the first),
+    a depthwise 3x3 (the stride here) and a 1x1 projection; a last 1x1 to 1280."""
+    layers = [("features.0.0", ConvShape(3, 32, 224, 224, 3, 3, (2, 2), (1, 1)))]
+    c_in, size, i = 32, 112, 1
+    for t, c, n, s in [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                       (6, 320, 1, 1)]:
+        for b in range(n):
+            stride = s if b == 0 else 1
+            hidden, p, j = c_in * t, f"features.{i}.conv", 0
+            if t != 1:
+                layers.append((f"{p}.0.0", ConvShape(c_in, hidden, size, size, 1, 1)))
+                j = 1
+            layers.append((f"{p}.{j}.0", ConvShape(hidden, hidden, size, size, 3, 3, (stride, stride), (1, 1),
+                                                   groups=hidden)))
+            size //= stride
+            layers.append((f"{p}.{j + 1}", ConvShape(hidden, c, size, size, 1, 1)))
+            c_in, i = c, i + 1
+    layers.append((f"features.{i}.0", ConvShape(c_in, 1280, size, size, 1, 1)))
+    return layers
+
+
+MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
 
 
 def model_layers(name: str) -> List[Tuple[str, ConvShape]]:

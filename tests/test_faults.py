@@ -789,6 +789,14 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(root)})
 
 
+def test_split_probe_refuses_an_unknown_layer_before_building():
+    """bench/split_probe.py: a layer no zoo network has is a usage error naming
+    the networks, not a KeyError after the imports."""
+    r = _bench("bench/split_probe.py", "--sass", "--layers", "mobilenet_v2:features.99.conv.1.0")
+    assert r.returncode == 2 and ("--layers: 'mobilenet_v2:features.99.conv.1.0' is not "
+                                  "<vgg16|resnet50|mobilenet_v2>:<layer>") in r.stderr, r.stderr
+
+
 def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
     """bench/gpu_suite.sh 3: exit 2 with the usage, no shard log written."""
     root = Path(__file__).parent.parent
