@@ -595,6 +595,29 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
     return tiling_for(shape, _k_block(shape), 1, 1, 256, 2)
 
 
+# Depthwise convs (one input channel a group, MobileNet's 3x3) take the
+# pointwise family: one group's output channels a block over DEPTHWISE_THREADS
+# pixels, the batch folded into them. The direct family gave each block one
+# channel of one image (49 threads at 7x7) and staged its patch in shared
+# memory for ~1 FMA a thread at 90% zeros: MobileNetV2's 17 depthwise layers
+# took 266-836 us at batch 64 on the H200 against cuDNN fp32's 25-333
+# (session 41, `bench --network mobilenet_v2`), so routing gave every one to
+# cuDNN.
+DEPTHWISE_THREADS = 256
+DEPTHWISE_MAX_K_BLOCK = 8
+
+
+def is_depthwise(shape: ConvShape) -> bool:
+    """One input channel a group, a kernel the pointwise family's taps allow."""
+    return (shape.groups > 1 and shape.c_per_group == 1
+            and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS)
+
+
+def depthwise_tiling(shape: ConvShape) -> Tiling:
+    """See DEPTHWISE_THREADS."""
+    return pointwise_tiling(shape, min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK), 1, DEPTHWISE_THREADS)
+
+
 def default_tiling(shape: ConvShape) -> Tiling:
     """1x1 convs: the pointwise family (default_pointwise_tiling). Deep convs
     with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
@@ -632,6 +655,8 @@ def default_tiling(shape: ConvShape) -> Tiling:
     fetch; they keep the previous rule, which measured faster on them."""
     if (shape.kernel_h, shape.kernel_w) == (1, 1):
         return default_pointwise_tiling(shape)
+    if is_depthwise(shape):
+        return depthwise_tiling(shape)
     pixels = shape.out_h * shape.out_w
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:

@@ -21,7 +21,7 @@ from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_W
                                large_image_blocks, register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
-from sparseconv.zoo import resnet50, vgg16
+from sparseconv.zoo import mobilenet_v2, resnet50, vgg16
 
 
 def test_1x1_convs_get_the_pointwise_family_by_depth():
@@ -52,6 +52,31 @@ def test_1x1_exceptions_chosen_on_cold_times():
     assert default_tiling(ConvShape(128, 512, 28, 28, 1, 1)).max_registers == 128
     linear_like = default_tiling(ConvShape(4096, 1000, 1, 1, 1, 1))  # one pixel: not the 7x7 rule
     assert (linear_like.k_block, linear_like.threads) == (64, 512)
+
+
+def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels():
+    """One input channel a group (MobileNet's 3x3): the pointwise family, one
+    group's output channels a block (up to 8), 256 threads, 1 pixel each; the
+    direct family gave each block one channel of one image (session 41)."""
+    for shape, k_block in [(ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), 1),
+                           (ConvShape(960, 960, 7, 7, 3, 3, padding=(1, 1), groups=960), 1),
+                           (ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), 1),
+                           (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2),     # multiplier 2
+                           (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8)]:      # 16 a group
+        assert shapes.is_depthwise(shape)
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == ("pointwise", k_block, 1, 256, 1), \
+            shape.describe()
+        check_tiling(shape, t)
+        # the whole batch, any size, in one variant: no split (one input channel) and no batch-1 blocks
+        assert batch_variants(shape, t) == [(ANY_BATCH, t)]
+        assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * -(-shape.k_per_group // k_block)
+    dw = [s for _, s in mobilenet_v2() if s.groups > 1]
+    assert len(dw) == 17 and all(default_tiling(s).family == "pointwise" for s in dw)
+    # grouped convs with several input channels a group, and 5x5 depthwise (25 taps), keep their rules
+    for shape in [ConvShape(128, 128, 56, 56, 3, 3, padding=(1, 1), groups=32),  # ResNeXt-50 layer1
+                  ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=32)]:
+        assert not shapes.is_depthwise(shape) and default_tiling(shape).family == "direct"
 
 
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():

@@ -29,6 +29,10 @@ LAYERS = {
     "dilated_thread_h2": (ConvShape(4, 5, 11, 10, 3, 3, (1, 1), (2, 1), (2, 1)), Tiling(2, 3, 4, 6, 2, 3)),
     "grouped": (ConvShape(6, 9, 6, 7, 3, 3, (1, 1), (1, 1), groups=3), Tiling(2, 1, 6, 7, 1, 1)),
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
+    # depthwise with a channel multiplier of 2, the default (pointwise family, the batch in the pixels)
+    "depthwise_mult2": (ConvShape(4, 8, 6, 6, 3, 3, (1, 1), (1, 1), groups=4), None),
+    # the direct family on a depthwise layer, as before session 41 (what a user's tiling may still ask for)
+    "depthwise_direct": (ConvShape(4, 4, 7, 7, 3, 3, (1, 1), (1, 1), groups=4), Tiling(1, 1, 7, 7, 1, 1)),
     # two outputs along W a thread with no k-block tail: the per-channel branch
     # is kept only to order the stores (templates/conv2d_direct.cu.j2); the
     # right-hand tile is partial, so its second column stores nothing
