@@ -67,9 +67,14 @@ def parse_cand(shape, text: str, batch: int):
         t = tiling_for(shape, kb, thread_w, 1, threads)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
-        t = replace(pointwise_tiling(shape, kb, 1, threads), slices=slices)
+        pixels = suffix_fields(suffixes).get("thread_w", 1)
+        t = replace(pointwise_tiling(shape, kb, pixels, threads), slices=slices)
         t = replace(t, c_block=cb[0]) if cb else t
-    return replace(t, **suffix_fields(suffixes))
+    fields = suffix_fields(suffixes)
+    if "thread_w" in fields and not text[:1].isdigit():
+        raise ValueError(":P<pixels> sets the pixels a thread of a pointwise candidate (<k_block>x<threads>x<slices>)")
+    fields.pop("thread_w", None)  # set above, with tile_w
+    return replace(t, **fields)
 
 
 CAND_BASE = re.compile(r"default|direct|d\d+x\d+x\d+|\d+x\d+x\d+(x\d+)?")
@@ -88,9 +93,11 @@ def suffix_fields(suffixes) -> dict:
             fields["slice_sum"] = suffix[1:]
         elif suffix[:1] == "C" and suffix[1:].isdigit():
             fields["c_block"] = int(suffix[1:])
+        elif suffix[:1] == "P" and suffix[1:].isdigit() and int(suffix[1:]) >= 1:
+            fields["thread_w"] = int(suffix[1:])  # pixels a thread (pointwise candidates; parse_cand)
         else:
-            raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster "
-                             f"or :C<c_block>)")
+            raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster, "
+                             f":C<c_block> or :P<pixels a thread>)")
     return fields
 
 
@@ -171,7 +178,7 @@ def main() -> None:
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
                     help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level>, "
-                         ":B<blocks per SM>, :Skernel/:Scluster and :C<c_block>, comma-separated")
+                         ":B<blocks per SM>, :Skernel/:Scluster, :C<c_block> and :P<pixels a thread>, comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")

@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sparseconv.zoo import resnet50, vgg16
 
@@ -51,6 +52,19 @@ def test_c_block_suffix_sets_the_chunk_width_of_either_family():
     assert direct.family == "direct" and direct.c_block == 8 != default.c_block
     assert direct == replace(default, c_block=8)  # only c_block moves
     assert split_probe.parse_cand(shapes["conv5_2"], "32x224x8:C16", 1).c_block == 16
+
+
+def test_pixels_suffix_sets_the_pixels_a_thread_of_a_pointwise_candidate():
+    from sparseconv.zoo import mobilenet_v2
+
+    dw = dict(mobilenet_v2())["features.16.conv.1.0"]
+    t = split_probe.parse_cand(dw, "1x256x1:P4", 64)
+    assert (t.family, t.k_block, t.threads, t.thread_w, t.tile_w) == ("pointwise", 1, 256, 4, 1024)
+    assert split_probe.parse_cand(dw, "1x256x1", 64).thread_w == 1
+    with pytest.raises(ValueError, match="pointwise candidate"):
+        split_probe.parse_cand(dict(vgg16())["conv4_2"], "direct:P2", 1)
+    with pytest.raises(ValueError, match="pointwise candidate"):  # not silently dropped from a default
+        split_probe.parse_cand(dw, "default:P2", 64)
 
 
 def test_sparsity_one_leaves_no_weight_and_the_draw_stays_per_layer():
