@@ -1,4 +1,4 @@
-"""Conv layer shapes of VGG-16, ResNet-50 and MobileNetV2 (torchvision, ImageNet 224x224 input),
+"""Conv layer shapes of VGG-16, ResNet-50, ResNeXt-50 32x4d and MobileNetV2 (torchvision, ImageNet 224x224 input),
 and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
 from __future__ import annotations
 
@@ -19,23 +19,30 @@ def vgg16() -> List[Tuple[str, ConvShape]]:
     return [(n, ConvShape(c, k, h, h, 3, 3, (1, 1), (1, 1))) for n, (c, k, h) in zip(names, plan)]
 
 
-def resnet50() -> List[Tuple[str, ConvShape]]:
+def resnet50(groups: int = 1, width_per_group: int = 64) -> List[Tuple[str, ConvShape]]:
     """53 convs: the stem, then per bottleneck 1x1 -> 3x3 (stride here, v1.5) -> 1x1, plus one
-    1x1 downsample in the first block of each stage."""
+    1x1 downsample in the first block of each stage. groups / width_per_group as torchvision's
+    (ResNeXt-50 32x4d: 32 / 4, its 3x3 convs in 32 groups, twice ResNet-50's width)."""
     layers = [("conv1", ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3)))]
     c_in, size = 64, 56
-    for stage, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+    for stage, (planes, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+        width = planes * width_per_group // 64 * groups
         for b in range(blocks):
             s = stride if b == 0 else 1
             out = size // s
             p = f"layer{stage}.{b}"
             layers.append((f"{p}.conv1", ConvShape(c_in, width, size, size, 1, 1)))
-            layers.append((f"{p}.conv2", ConvShape(width, width, size, size, 3, 3, (s, s), (1, 1))))
-            layers.append((f"{p}.conv3", ConvShape(width, 4 * width, out, out, 1, 1)))
+            layers.append((f"{p}.conv2", ConvShape(width, width, size, size, 3, 3, (s, s), (1, 1), groups=groups)))
+            layers.append((f"{p}.conv3", ConvShape(width, 4 * planes, out, out, 1, 1)))
             if b == 0:
-                layers.append((f"{p}.downsample", ConvShape(c_in, 4 * width, size, size, 1, 1, (s, s))))
-            c_in, size = 4 * width, out
+                layers.append((f"{p}.downsample", ConvShape(c_in, 4 * planes, size, size, 1, 1, (s, s))))
+            c_in, size = 4 * planes, out
     return layers
+
+
+def resnext50() -> List[Tuple[str, ConvShape]]:
+    """ResNeXt-50 32x4d's 53 convs, named as ResNet-50's."""
+    return resnet50(groups=32, width_per_group=4)
 
 
 def mobilenet_v2() -> List[Tuple[str, ConvShape]]:
@@ -61,7 +68,7 @@ def mobilenet_v2() -> List[Tuple[str, ConvShape]]:
     return layers
 
 
-MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
+MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50, "resnext50": resnext50, "mobilenet_v2": mobilenet_v2}
 
 
 def model_layers(name: str) -> List[Tuple[str, ConvShape]]:

@@ -234,6 +234,13 @@ def test_layer_classes_of_resnet50():
     assert counts == {"stem": 1, "1x1": 33, "3x3": 13, "strided 3x3": 3, "strided 1x1": 3}
     assert bm.layer_class(_shape(3, 64, 224, 3), first=False) == "stem"  # C <= 4 reads an image
     assert bm.layer_class(ConvShape(8, 8, 9, 9, 1, 3), first=False) == "other"  # 1x3 is no k x k
+    # MobileNetV2's and ResNeXt-50's own classes, whatever their kernel and stride
+    assert bm.layer_class(ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), first=False) == "depthwise"
+    assert bm.layer_class(ConvShape(8, 16, 9, 9, 3, 3, groups=8), first=False) == "depthwise"  # multiplier 2
+    assert bm.layer_class(ConvShape(128, 128, 56, 56, 3, 3, padding=(1, 1), groups=32), first=False) == "grouped"
+    from sparseconv.zoo import mobilenet_v2
+    classes = [bm.layer_class(s, i == 0) for i, (_, s) in enumerate(mobilenet_v2())]
+    assert {c: classes.count(c) for c in set(classes)} == {"stem": 1, "depthwise": 17, "1x1": 34}
 
 
 def test_class_summary_sums_times_and_floors_per_class_and_batch():

@@ -794,7 +794,7 @@ def test_split_probe_refuses_an_unknown_layer_before_building():
     the networks, not a KeyError after the imports."""
     r = _bench("bench/split_probe.py", "--sass", "--layers", "mobilenet_v2:features.99.conv.1.0")
     assert r.returncode == 2 and ("--layers: 'mobilenet_v2:features.99.conv.1.0' is not "
-                                  "<vgg16|resnet50|mobilenet_v2>:<layer>") in r.stderr, r.stderr
+                                  "<vgg16|resnet50|resnext50|mobilenet_v2>:<layer>") in r.stderr, r.stderr
 
 
 def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):

@@ -67,24 +67,29 @@ def test_mobilenet_v2_matches_torchvision_in_size_and_names():
         assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
 
 
-def test_the_zoo_shapes_of_mobilenet_v2_are_the_modules_convs():
-    """sparseconv.zoo.mobilenet_v2 (no torch: split_probe, bench --model) names
-    and shapes the 52 convs as the torch module runs them at 224x224."""
-    from sparseconv.zoo import mobilenet_v2
+@pytest.mark.parametrize("name", ["resnet50", "resnext50", "mobilenet_v2"])
+def test_the_zoo_shapes_are_the_modules_convs(name):
+    """sparseconv.zoo's layer lists (no torch: split_probe, bench --model) name
+    and shape the convs as the torch modules run them at 224x224."""
+    from sparseconv.zoo import model_layers
+    from sparseconv.zoo_torch import NETWORKS
 
-    m, seen = MobileNetV2().eval(), {}
-    for name, conv in m.named_modules():
+    m, seen = NETWORKS[name]().eval(), {}
+    for layer, conv in m.named_modules():
         if isinstance(conv, nn.Conv2d):
-            conv.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, (args[0].shape, mod)))
+            conv.register_forward_hook(lambda mod, args, out, layer=layer:
+                                       seen.__setitem__(layer, (args[0].shape, mod)))
     with torch.no_grad():
         m(torch.randn(1, 3, 224, 224))
-    zoo = dict(mobilenet_v2())
+    zoo = dict(model_layers(name))
+    if name != "mobilenet_v2":  # the zoo names ResNets' downsample convs without their Sequential's index
+        seen = {n.replace("downsample.0", "downsample"): v for n, v in seen.items()}
     assert list(zoo) == list(seen)
-    for name, (x_shape, conv) in seen.items():
-        s = zoo[name]
-        assert (s.in_channels, s.in_h, s.in_w) == tuple(x_shape[1:]), name
+    for layer, (x_shape, conv) in seen.items():
+        s = zoo[layer]
+        assert (s.in_channels, s.in_h, s.in_w) == tuple(x_shape[1:]), layer
         assert (s.out_channels, (s.kernel_h, s.kernel_w), s.stride, s.padding, s.groups) == \
-            (conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.groups), name
+            (conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.groups), layer
 
 
 @pytest.mark.parametrize("name, fused", [

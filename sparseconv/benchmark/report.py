@@ -17,7 +17,7 @@ SHORT = {"sparseconv": "sparseconv", "code": "code", "table": "table", "cudnn_fp
          "cublas_gemm": "GEMM", "cusparse_spmm": "SpMM"}
 # The layer classes of the --model summary, in print order (issue 12: each class calls for its own kernel).
 # The order of the summary; every class layer_class returns is here, so no layer drops out of it
-LAYER_CLASSES = ("stem", "3x3", "strided 3x3", "1x1", "strided 1x1", "other")
+LAYER_CLASSES = ("stem", "3x3", "strided 3x3", "1x1", "strided 1x1", "depthwise", "grouped", "other")
 CLASS_METHODS = ("sparseconv", "cudnn_fp32", "cudnn_tf32")
 
 
@@ -73,11 +73,15 @@ def geomean_speedups(rows: Sequence[BenchRow]) -> List[Dict[str, Any]]:
 
 
 def layer_class(shape: ConvShape, first: bool) -> str:
-    """stem: the model's first conv or one reading <= 4 channels; 3x3: any square
-    k x k > 1 at stride 1; strided 3x3: the same at a larger stride; 1x1 at
-    stride 1; strided 1x1 (downsample); other (e.g. 1 x k)."""
+    """stem: the model's first conv or one reading <= 4 channels; depthwise:
+    one input channel a group (MobileNet's), any kernel or stride; grouped:
+    other convs of several groups (ResNeXt's); 3x3: any square k x k > 1 at
+    stride 1; strided 3x3: the same at a larger stride; 1x1 at stride 1;
+    strided 1x1 (downsample); other (e.g. 1 x k)."""
     if first or shape.in_channels <= 4:
         return "stem"
+    if shape.groups > 1:
+        return "depthwise" if shape.c_per_group == 1 else "grouped"
     if shape.kernel_h == shape.kernel_w == 1:
         return "1x1" if shape.stride == (1, 1) else "strided 1x1"
     if shape.kernel_h == shape.kernel_w:
