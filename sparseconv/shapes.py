@@ -602,7 +602,9 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
 # memory for ~1 FMA a thread at 90% zeros: MobileNetV2's 17 depthwise layers
 # took 266-836 us at batch 64 on the H200 against cuDNN fp32's 25-333
 # (session 41, `bench --network mobilenet_v2`), so routing gave every one to
-# cuDNN.
+# cuDNN. This rule ran them 2.2-18.6x faster at batch 64 and 1.4-3.1x at
+# batch 1 (bench/split_probe.py --cold, 9 of the 17, H200); 512 threads was
+# faster on the 14x14 and 7x7 ones and slower on the larger (docs/pending).
 DEPTHWISE_THREADS = 256
 DEPTHWISE_MAX_K_BLOCK = 8
 
