@@ -31,6 +31,11 @@ LAYERS = {
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
     # depthwise with a channel multiplier of 2, the default (pointwise family, the batch in the pixels)
     "depthwise_mult2": (ConvShape(4, 8, 6, 6, 3, 3, (1, 1), (1, 1), groups=4), None),
+    # the pointwise family at 2 pixels a thread on a depthwise layer, and on a 4-group 3x3 (ResNeXt's
+    # kind): the candidates docs/pending asks to time next
+    "depthwise_2px": (ConvShape(6, 6, 9, 9, 3, 3, (1, 1), (1, 1), groups=6), Tiling(1, 1, 1, 64, 1, 2, 1, "pointwise")),
+    "grouped_pointwise": (ConvShape(16, 16, 7, 7, 3, 3, (1, 1), (1, 1), groups=4),
+                          Tiling(4, 4, 1, 64, 1, 1, 1, "pointwise")),
     # the direct family on a depthwise layer, as before session 41 (what a user's tiling may still ask for)
     "depthwise_direct": (ConvShape(4, 4, 7, 7, 3, 3, (1, 1), (1, 1), groups=4), Tiling(1, 1, 7, 7, 1, 1)),
     # two outputs along W a thread with no k-block tail: the per-channel branch
