@@ -937,7 +937,7 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/graph_wrapper_probe.py", ["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
     ("bench/graph_wrapper_probe.py", ["--out", "/nonexistent-folder/w.json"],
      "folder /nonexistent-folder does not exist"),
-    ("bench/export_network.py", ["lenet", "x.onnx"], "'lenet' is not one of 'resnet50', 'vgg16'."),
+    ("bench/export_network.py", ["lenet", "x.onnx"], "'lenet' is not one of 'mobilenet_v2', 'resnet50', 'resnext50', 'vgg16'."),
     ("bench/export_network.py", ["vgg16", "/nonexistent-folder/v.onnx"], "folder /nonexistent-folder does not exist"),
     ("bench/export_network.py", ["vgg16", "v.txt"], "v.txt: the output file must end in .onnx"),
     ("bench/front_end_ab.py", ["models/lenet_digits_pruned.onnx", "--out", "/nonexistent-folder/ab.json"],
