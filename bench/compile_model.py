@@ -1,4 +1,5 @@
-"""Compile time of every conv layer of a pruned VGG-16 or ResNet-50: cold, then warm.
+"""Compile time of every conv layer of a pruned zoo network (VGG-16, ResNet-50,
+ResNeXt-50 32x4d, MobileNetV2): cold, then warm.
 
     python bench/compile_model.py vgg16 [--sparsity 0.9] [--jobs N] [--load] [--json out.json]
 
@@ -17,12 +18,12 @@ from pathlib import Path
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.shapes import ANY_BATCH, batch_variants, default_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
-from sparseconv.zoo import pruned_model
+from sparseconv.zoo import MODELS, pruned_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("model", choices=["vgg16", "resnet50"])
+    p.add_argument("model", choices=list(MODELS))
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--load", action="store_true", help="also load every kernel on the GPU (warm pass)")
