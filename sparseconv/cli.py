@@ -198,7 +198,7 @@ def _describe(layer: ConvLayer) -> str:
 @min_sparsity_option
 def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_size: Optional[str], layer_glob: str,
             min_sparsity: float) -> None:
-    """List a model's conv layers, their sparsity, and what `compile` would build.
+    """List a model's conv layers, their sparsity, and what `compile` would build (kernel family, threads).
 
     Example: sparseconv inspect models/vgg16_pruned.npz --min-sparsity 0.5
     """
@@ -207,12 +207,14 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
     click.echo(f"{m.path} ({m.format}): {len(m.layers)} conv layers, {len(chosen)} to compile")
     click.echo(f"{'layer':32s} {'shape':34s} {'sparsity':>8s} {'nonzero':>10s}  action")
     for layer in m.layers:
-        action = "compile" if layer.name not in skipped else "skip: " + skipped[layer.name]
+        action = "skip: " + skipped.get(layer.name, "")
         if layer.name not in skipped:
             try:
-                check_layer(layer.shape)
+                tiling = check_layer(layer.shape)
             except ValueError as exc:  # compile would refuse it: say so here
                 action = "refused: " + str(exc).split(": ", 1)[-1]
+            else:  # the kernel family its any-batch variant takes (shapes.default_tiling)
+                action = f"compile ({tiling.family}, {tiling.threads} threads)"
         click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
                    f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")
     if m.format == "onnx":  # what `sparseconv run` folds and fuses (compile builds the layers as they are)

@@ -1,5 +1,8 @@
 """CPU: model import (npz + spec, ONNX) and `sparseconv compile / inspect`."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +104,25 @@ def test_inspect_lists_layers_and_filters(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(write_npz(tmp_path / "m.npz")), "--min-sparsity", "0.72"])
     assert r.exit_code == 0, r.output
     assert "2 conv layers, 1 to compile" in r.output and "skip: sparsity" in r.output
+    # the kernel family each compiled layer takes, as shapes.default_tiling picks it
+    assert sum("  compile (direct, " in line or "  compile (pointwise, " in line for line in r.output.splitlines()) == 1
+
+
+def test_inspect_says_which_kernel_family_a_layer_takes(tmp_path):
+    """A depthwise layer takes the pointwise family (session 41), a 3x3 on a
+    large image the direct one; inspect shows it without building."""
+    from sparseconv.zoo import mobilenet_v2
+
+    path = tmp_path / "mnv2.npz"
+    r = subprocess.run([sys.executable, "models/make_pruned_zoo.py", "mobilenet_v2", "--out", str(path)],
+                       cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(main, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line for line in r.output.splitlines()[2:]}
+    assert len(rows) == len(mobilenet_v2())
+    assert rows["features.1.conv.0.0"].endswith("compile (pointwise, 256 threads)")   # depthwise 3x3
+    assert rows["features.0.0"].rstrip().split("  ")[-1].startswith("compile (direct, ")  # the stem
 
 
 def bad_inputs(tmp_path):
