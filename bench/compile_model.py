@@ -15,6 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
+
+from sparseconv.benchmark.output import write_atomically
+from sparseconv.cli_options import check_output_file
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.shapes import ANY_BATCH, batch_variants, default_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
@@ -31,6 +35,14 @@ def main() -> None:
                    help="run every layer once on the GPU against the float64 reference (implies --load)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
+    if not 0 <= a.sparsity < 1:
+        p.error(f"--sparsity must lie in [0, 1), got {a.sparsity}")
+    if a.jobs is not None and a.jobs < 1:
+        p.error(f"--jobs must be 1 or more, got {a.jobs}")
+    try:  # before minutes of building
+        check_output_file(a.json, "--json", ".json")
+    except click.BadParameter as exc:
+        p.error(f"--json: {exc.message}")
     a.load = a.load or a.check
     # Every batch variant of every layer, as compile_layers / sparsify build them.
     jobs = [LayerJob(n if up_to == ANY_BATCH else f"{n}#split", w, s, t)
@@ -77,8 +89,8 @@ def main() -> None:
         print(f"checked {len(errors)} layers on the GPU (batch 2, float64 reference): worst relative L2 "
               f"{errors[worst]:.2e} ({worst}); all <= 1e-5: {all(e <= 1e-5 for e in errors.values())}")
     if a.json:
-        a.json.write_text(json.dumps(dict(rows=rows, cold_s=cold_s, warm_s=warm_s, errors=errors), indent=2,
-                                     default=str))
+        text = json.dumps(dict(rows=rows, cold_s=cold_s, warm_s=warm_s, errors=errors), indent=2, default=str)
+        write_atomically(a.json, lambda tmp: tmp.write_text(text))
     if errors and not all(e <= 1e-5 for e in errors.values()):
         sys.exit(1)
 

@@ -937,6 +937,13 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/graph_wrapper_probe.py", ["--trials", "-1"], "--repeat and --trials must be 1 or more, got 200 and -1"),
     ("bench/graph_wrapper_probe.py", ["--out", "/nonexistent-folder/w.json"],
      "folder /nonexistent-folder does not exist"),
+    ("bench/compile_model.py", ["lenet"],
+     "invalid choice: 'lenet' (choose from 'vgg16', 'resnet50', 'resnext50', 'mobilenet_v2')"),
+    ("bench/compile_model.py", ["vgg16", "--json", "/nonexistent-folder/c.json"],
+     "the folder /nonexistent-folder does not exist"),
+    ("bench/compile_model.py", ["vgg16", "--json", "c.txt"], "c.txt: the output file must end in .json"),
+    ("bench/compile_model.py", ["vgg16", "--sparsity", "1"], "--sparsity must lie in [0, 1), got 1.0"),
+    ("bench/compile_model.py", ["vgg16", "--jobs", "0"], "--jobs must be 1 or more, got 0"),
     ("bench/export_network.py", ["lenet", "x.onnx"],
      "'lenet' is not one of 'mobilenet_v2', 'resnet50', 'resnext50', 'vgg16'."),
     ("bench/export_network.py", ["vgg16", "/nonexistent-folder/v.onnx"], "folder /nonexistent-folder does not exist"),
@@ -973,7 +980,7 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
 @pytest.mark.parametrize("script, args, needle", _PROBE_REFUSALS,
                          ids=[f"{Path(s).stem}:{' '.join(a)}" for s, a, _ in _PROBE_REFUSALS])
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
-    """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py,
+    """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py, compile_model.py,
     export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py, eager_host.py,
     ptxas_groups.py:
     exit 2, one line,
