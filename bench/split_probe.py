@@ -58,6 +58,10 @@ def parse_cand(shape, text: str, batch: int):
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
     ":Scluster" (how the slices are summed, Tiling.slice_sum), e.g. 64x256x1:B2."""
     text, *suffixes = text.split(":")
+    fields = suffix_fields(suffixes)
+    if "thread_w" in fields and not text[:1].isdigit():
+        raise ValueError(":P<pixels> sets the pixels a thread of a pointwise candidate (<k_block>x<threads>x<slices>)")
+    pixels = fields.pop("thread_w", 1)  # set with tile_w, by pointwise_tiling
     if text == "default":
         t = variant_for_batch(shape, batch)
     elif text == "direct":
@@ -67,13 +71,8 @@ def parse_cand(shape, text: str, batch: int):
         t = tiling_for(shape, kb, thread_w, 1, threads)
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
-        pixels = suffix_fields(suffixes).get("thread_w", 1)
         t = replace(pointwise_tiling(shape, kb, pixels, threads), slices=slices)
         t = replace(t, c_block=cb[0]) if cb else t
-    fields = suffix_fields(suffixes)
-    if "thread_w" in fields and not text[:1].isdigit():
-        raise ValueError(":P<pixels> sets the pixels a thread of a pointwise candidate (<k_block>x<threads>x<slices>)")
-    fields.pop("thread_w", None)  # set above, with tile_w
     return replace(t, **fields)
 
 

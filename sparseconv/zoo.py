@@ -19,13 +19,20 @@ def vgg16() -> List[Tuple[str, ConvShape]]:
     return [(n, ConvShape(c, k, h, h, 3, 3, (1, 1), (1, 1))) for n, (c, k, h) in zip(names, plan)]
 
 
+# (planes, bottlenecks, stride of the first) of ResNet-50's four stages, torchvision's; zoo_torch builds from it too
+RESNET50_STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
+# (expansion, output channels, blocks, stride of the first), torchvision's inverted_residual_setting
+MOBILENET_V2_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                        (6, 320, 1, 1))
+
+
 def resnet50(groups: int = 1, width_per_group: int = 64) -> List[Tuple[str, ConvShape]]:
     """53 convs: the stem, then per bottleneck 1x1 -> 3x3 (stride here, v1.5) -> 1x1, plus one
     1x1 downsample in the first block of each stage. groups / width_per_group as torchvision's
     (ResNeXt-50 32x4d: 32 / 4, its 3x3 convs in 32 groups, twice ResNet-50's width)."""
     layers = [("conv1", ConvShape(3, 64, 224, 224, 7, 7, (2, 2), (3, 3)))]
     c_in, size = 64, 56
-    for stage, (planes, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+    for stage, (planes, blocks, stride) in enumerate(RESNET50_STAGES, 1):
         width = planes * width_per_group // 64 * groups
         for b in range(blocks):
             s = stride if b == 0 else 1
@@ -51,8 +58,7 @@ def mobilenet_v2() -> List[Tuple[str, ConvShape]]:
     a depthwise 3x3 (the stride here) and a 1x1 projection; a last 1x1 to 1280."""
     layers = [("features.0.0", ConvShape(3, 32, 224, 224, 3, 3, (2, 2), (1, 1)))]
     c_in, size, i = 32, 112, 1
-    for t, c, n, s in [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
-                       (6, 320, 1, 1)]:
+    for t, c, n, s in MOBILENET_V2_SETTING:
         for b in range(n):
             stride = s if b == 0 else 1
             hidden, p, j = c_in * t, f"features.{i}.conv", 0

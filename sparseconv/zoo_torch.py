@@ -18,6 +18,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from .zoo import MOBILENET_V2_SETTING, RESNET50_STAGES
+
 
 class Bottleneck(nn.Module):
     expansion = 4
@@ -57,7 +59,7 @@ class ResNet50(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
         c_in = 64
-        for i, (planes, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], 1):
+        for i, (planes, blocks, stride) in enumerate(RESNET50_STAGES, 1):
             width = planes * self.WIDTH_PER_GROUP // 64 * self.GROUPS
             layers: List[nn.Module] = []
             for b in range(blocks):
@@ -104,15 +106,11 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV2(nn.Module):
-    # (expansion, output channels, blocks, stride of the first), torchvision's inverted_residual_setting
-    SETTING = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
-               (6, 320, 1, 1)]
-
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()
         layers: List[nn.Module] = [conv_bn_relu6(3, 32, 3, 2)]
         c_in = 32
-        for t, c, n, s in self.SETTING:
+        for t, c, n, s in MOBILENET_V2_SETTING:
             for i in range(n):
                 layers.append(InvertedResidual(c_in, c, s if i == 0 else 1, t))
                 c_in = c
