@@ -605,8 +605,15 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
 # cuDNN. This rule ran them 2.2-18.6x faster at batch 64 and 1.4-3.1x at
 # batch 1 (bench/split_probe.py --cold, 9 of the 17, H200); 512 threads was
 # faster on the 14x14 and 7x7 ones and slower on the larger (docs/pending).
+# Outputs of SMALL_OUTPUT pixels or more take 128 threads x 2 pixels: at 1
+# pixel a thread each output paid its own index arithmetic and bias load for
+# ~1 FMA. Session 42 (H200, MobileNetV2, split_probe --cold, batch 64): 7-23%
+# faster on the six layers with 112x112 to 28x28 outputs (features.1 162 ->
+# 146 us, features.5 96 -> 77, two weight draws), slower on the 14x14 and
+# 7x7 ones (features.13 70 -> 77); at batch 1 within 0.5 us either way.
 DEPTHWISE_THREADS = 256
 DEPTHWISE_MAX_K_BLOCK = 8
+DEPTHWISE_LARGE_THREADS, DEPTHWISE_LARGE_PIXELS = 128, 2
 
 
 def is_depthwise(shape: ConvShape) -> bool:
@@ -617,7 +624,39 @@ def is_depthwise(shape: ConvShape) -> bool:
 
 def depthwise_tiling(shape: ConvShape) -> Tiling:
     """See DEPTHWISE_THREADS."""
-    return pointwise_tiling(shape, min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK), 1, DEPTHWISE_THREADS)
+    k_block = min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK)
+    if shape.out_h * shape.out_w >= SMALL_OUTPUT:
+        return pointwise_tiling(shape, k_block, DEPTHWISE_LARGE_PIXELS, DEPTHWISE_LARGE_THREADS)
+    return pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS)
+
+
+# Grouped convs with a few input channels a group (ResNeXt's 32-group 3x3:
+# 4-16 a group, under SHALLOW_MACS per output) take the pointwise family too,
+# one group's output channels a block (up to 32), 512 threads where a group
+# has 8+ output channels (ptxas then caps them at 128 registers), else 256.
+# The direct family's rule for shallow layers gave each block one image's
+# rows. Session 42 (H200, split_probe --cold, batch 64 / 1): ResNeXt-50
+# layer1.0.conv2 (4 a group, 56x56) 391 -> 135 / 12.0 -> 5.2 us,
+# layer2.1.conv2 (8, 28x28) 233 -> 64 / 10.1 -> 4.6, layer3.1.conv2 (16,
+# 14x14) 104 -> 40 / 8.2 -> 7.6. (256 threads at 8 and 16 a group: 98 and 60
+# at batch 64, 254 registers.) Deeper groups (ResNeXt layer4, 32 a group)
+# already take the pointwise family as deep layers.
+GROUPED_MAX_K_BLOCK = 32
+GROUPED_MANY_THREADS_MIN_K = 8
+
+
+def is_shallow_grouped(shape: ConvShape) -> bool:
+    """Several groups of a few input channels each, under SHALLOW_MACS
+    multiply-adds per output, a kernel the pointwise family's taps allow."""
+    taps = shape.kernel_h * shape.kernel_w
+    return (shape.groups > 1 and shape.c_per_group > 1 and taps <= MAX_POINTWISE_TAPS
+            and shape.c_per_group * taps < SHALLOW_MACS)
+
+
+def shallow_grouped_tiling(shape: ConvShape) -> Tiling:
+    """See GROUPED_MAX_K_BLOCK."""
+    threads = 512 if shape.k_per_group >= GROUPED_MANY_THREADS_MIN_K else 256
+    return pointwise_tiling(shape, min(shape.k_per_group, GROUPED_MAX_K_BLOCK), 1, threads)
 
 
 def default_tiling(shape: ConvShape) -> Tiling:
@@ -659,6 +698,8 @@ def default_tiling(shape: ConvShape) -> Tiling:
         return default_pointwise_tiling(shape)
     if is_depthwise(shape):
         return depthwise_tiling(shape)
+    if is_shallow_grouped(shape):
+        return shallow_grouped_tiling(shape)
     pixels = shape.out_h * shape.out_w
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:

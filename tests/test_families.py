@@ -21,7 +21,7 @@ from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_W
                                large_image_blocks, register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
-from sparseconv.zoo import mobilenet_v2, resnet50, vgg16
+from sparseconv.zoo import mobilenet_v2, resnet50, resnext50, vgg16
 
 
 def test_1x1_convs_get_the_pointwise_family_by_depth():
@@ -56,16 +56,20 @@ def test_1x1_exceptions_chosen_on_cold_times():
 
 def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels():
     """One input channel a group (MobileNet's 3x3): the pointwise family, one
-    group's output channels a block (up to 8), 256 threads, 1 pixel each; the
-    direct family gave each block one channel of one image (session 41)."""
-    for shape, k_block in [(ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), 1),
-                           (ConvShape(960, 960, 7, 7, 3, 3, padding=(1, 1), groups=960), 1),
-                           (ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), 1),
-                           (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2),     # multiplier 2
-                           (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8)]:      # 16 a group
-        assert shapes.is_depthwise(shape)
+    group's output channels a block (up to 8), 256 threads x 1 pixel, or 128
+    threads x 2 pixels at outputs of 28x28 or more; the direct family gave
+    each block one channel of one image (sessions 41-42)."""
+    for shape, k_block, threads, pixels in [
+            (ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), 1, 128, 2),
+            (ConvShape(144, 144, 56, 56, 3, 3, (2, 2), (1, 1), groups=144), 1, 128, 2),   # 28x28 out
+            (ConvShape(192, 192, 28, 28, 3, 3, (2, 2), (1, 1), groups=192), 1, 256, 1),   # 14x14 out
+            (ConvShape(960, 960, 7, 7, 3, 3, padding=(1, 1), groups=960), 1, 256, 1),
+            (ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), 1, 128, 2),
+            (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2, 256, 1),     # multiplier 2
+            (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8, 256, 1)]:      # 16 a group
+        assert shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == ("pointwise", k_block, 1, 256, 1), \
+        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == ("pointwise", k_block, 1, threads, pixels), \
             shape.describe()
         check_tiling(shape, t)
         # the whole batch, any size, in one variant: no split (one input channel) and no batch-1 blocks
@@ -73,10 +77,37 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
         assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * -(-shape.k_per_group // k_block)
     dw = [s for _, s in mobilenet_v2() if s.groups > 1]
     assert len(dw) == 17 and all(default_tiling(s).family == "pointwise" for s in dw)
-    # grouped convs with several input channels a group, and 5x5 depthwise (25 taps), keep their rules
-    for shape in [ConvShape(128, 128, 56, 56, 3, 3, padding=(1, 1), groups=32),  # ResNeXt-50 layer1
-                  ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=32)]:
-        assert not shapes.is_depthwise(shape) and default_tiling(shape).family == "direct"
+    # 5x5 depthwise (25 taps) keeps the direct family's rule
+    shape = ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=32)
+    assert not shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
+    assert default_tiling(shape).family == "direct"
+
+
+def test_shallow_grouped_convs_get_the_pointwise_family():
+    """A few input channels a group (ResNeXt-50's 32-group 3x3, 4-16 a group):
+    the pointwise family, one group's output channels a block, 512 threads
+    from 8 output channels a group, else 256 (session 42); deeper groups
+    (ResNeXt's layer4, 32 a group) take the deep layers' rule, and large
+    kernels stay direct."""
+    for shape, k_block, c_block, threads in [
+            (ConvShape(128, 128, 56, 56, 3, 3, padding=(1, 1), groups=32), 4, 4, 256),      # layer1.x.conv2
+            (ConvShape(256, 256, 56, 56, 3, 3, (2, 2), (1, 1), groups=32), 8, 8, 512),      # layer2.0.conv2
+            (ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1), groups=32), 16, 16, 512),    # layer3.x.conv2
+            # 64 output channels a group: blocks of 32, and the body bound halves the chunk
+            (ConvShape(32, 128, 20, 20, 3, 3, padding=(1, 1), groups=2), 32, 8, 512)]:
+        assert shapes.is_shallow_grouped(shape) and not shapes.is_depthwise(shape)
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == \
+            ("pointwise", k_block, c_block, threads, 1), shape.describe()
+        check_tiling(shape, t)
+        assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * (shape.k_per_group // k_block)
+    deep = ConvShape(1024, 1024, 7, 7, 3, 3, padding=(1, 1), groups=32)  # layer4.x.conv2: 288 MACs an output
+    assert not shapes.is_shallow_grouped(deep) and default_tiling(deep).family == "pointwise"
+    for shape in [ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=8),      # 25 taps
+                  ConvShape(256, 256, 28, 28, 3, 3, padding=(1, 1), groups=2)]:   # 128 a group: deep
+        assert not shapes.is_shallow_grouped(shape)
+    grouped = [s for _, s in resnext50() if s.groups > 1]
+    assert len(grouped) == 16 and all(default_tiling(s).family == "pointwise" for s in grouped)
 
 
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():

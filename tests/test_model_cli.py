@@ -109,8 +109,9 @@ def test_inspect_lists_layers_and_filters(tmp_path):
 
 
 def test_inspect_says_which_kernel_family_a_layer_takes(tmp_path):
-    """A depthwise layer takes the pointwise family (session 41), a 3x3 on a
-    large image the direct one; inspect shows it without building."""
+    """A depthwise layer takes the pointwise family (session 41), with fewer
+    threads at large outputs (session 42), a 3x3 on a large image the direct
+    one; inspect shows it without building."""
     from sparseconv.zoo import mobilenet_v2
 
     path = tmp_path / "mnv2.npz"
@@ -121,7 +122,8 @@ def test_inspect_says_which_kernel_family_a_layer_takes(tmp_path):
     assert r.exit_code == 0, r.output
     rows = {line.split()[0]: line for line in r.output.splitlines()[2:]}
     assert len(rows) == len(mobilenet_v2())
-    assert rows["features.1.conv.0.0"].endswith("compile (pointwise, 256 threads)")   # depthwise 3x3
+    assert rows["features.1.conv.0.0"].endswith("compile (pointwise, 128 threads)")   # depthwise 3x3, 112x112
+    assert rows["features.13.conv.1.0"].endswith("compile (pointwise, 256 threads)")  # depthwise 3x3, 14x14
     assert rows["features.0.0"].rstrip().split("  ")[-1].startswith("compile (direct, ")  # the stem
 
 
