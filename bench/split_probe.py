@@ -169,7 +169,9 @@ def cubin_stats(cubin: bytes) -> dict:
     depths = load_depths(sass)
     return dict(registers=max(int(r) for r in re.findall(r"REG:(\d+)", res)),
                 stack_bytes=max(int(r) for r in re.findall(r"STACK:(\d+)", res)),
-                loads=len(depths), median_load_depth=statistics.median(depths) if depths else None)
+                loads=len(depths), median_load_depth=statistics.median(depths) if depths else None,
+                # straight-line code: the instructions a block runs, about
+                instructions=len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass)))
 
 
 def main() -> None:
@@ -253,7 +255,7 @@ def main() -> None:
             r = rows[-1]
             print(f"{lname:26s} {c:16s} {layer.tiling.describe():64s} registers {r['registers']:3d} "
                   f"stack {r['stack_bytes']:3d} B  loads ahead of use: median {r['median_load_depth']} "
-                  f"instructions", flush=True)
+                  f"instructions; {r['instructions']} instructions", flush=True)
         json.dump(rows, open(args.out, "w"), indent=1)
         return
     import cupy
