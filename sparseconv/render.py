@@ -16,7 +16,7 @@ import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
 from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, n_chunks, n_kblocks, padded_channels, patch_size,
-                     stage_steps)
+                     stage_steps, tap_predicates)
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
 ENTRY_NAME = "sc_conv2d"
@@ -123,7 +123,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
             ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1)
     else:
         family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
-                           R=shape.kernel_h, S=shape.kernel_w)
+                           TAP_PREDICATES=int(tap_predicates(shape, tiling)), R=shape.kernel_h, S=shape.kernel_w)
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),

@@ -412,6 +412,24 @@ def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
     return n_chunks(shape, tiling) * tiling.slices * tiling.c_block != shape.c_per_group
 
 
+# Loads a chunk (input channels x taps) up to which a padded pointwise-family
+# layer loads each tap behind a predicate (in the image or not) at a constant
+# offset from one pointer a pixel; above it each tap keeps its own pointer,
+# set once, and padding taps read a zero buffer (the template, "TAP_PREDICATES").
+# Session 42, ptxas sm_90 (split_probe --sass): a depthwise 3x3 (9 loads)
+# went from 83 to 70 registers and ResNeXt-50 layer1.0.conv2 (36) from 92
+# to 78, with fewer instructions; at 144 loads (ResNeXt-50 layer3.1.conv2)
+# and on the deep 3x3 layers (ResNet-50 layer4.1.conv2) the predicates took
+# 50% more instructions and spilled.
+TAP_PREDICATE_MAX_LOADS = 36
+
+
+def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
+    """See TAP_PREDICATE_MAX_LOADS (pointwise family only)."""
+    padded = shape.padding != (0, 0)
+    return padded and tiling.c_block * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS
+
+
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
     if tiling.family == "pointwise" and shape.kernel_h * shape.kernel_w > 64:
