@@ -802,8 +802,28 @@ def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
     root = Path(__file__).parent.parent
     r = subprocess.run(["bash", "bench/gpu_suite.sh", "3"], cwd=root, capture_output=True, text=True,
                        env={**os.environ, "OUT": str(tmp_path)})
-    assert r.returncode == 2 and r.stderr.strip() == "usage: bash bench/gpu_suite.sh [1|2|all], not '3'"
+    assert r.returncode == 2 and r.stderr.strip() == "usage: bash bench/gpu_suite.sh [1|2|all|two-gpus], not '3'"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_suite_on_two_gpus_brings_its_logs_back_in_one_tarball(tmp_path):
+    """bench/gpu_suite.sh two-gpus runs part 1 and part 2 at once (here every
+    test skips: no GPU) and leaves one tarball with each part's shard logs and
+    summary, as the device tool brings back at most 8 files (~15 s)."""
+    import tarfile
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "OUT": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "bench/gpu_suite.sh", "two-gpus"], cwd=root, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu_logs.tgz"]
+    names = set(tarfile.open(tmp_path / "gpu_logs.tgz").getnames())
+    part1 = {"conv_a", "conv_b0", "conv_b1", "conv_d", "torch"}
+    part2 = {"conv_c0", "conv_c1", "rest", "onnx", "linear", "table", "network"}
+    assert {f"part1/gpu_{s}.log" for s in part1} | {f"part2/gpu_{s}.log" for s in part2} | \
+        {"part1/summary.txt", "part2/summary.txt"} <= names
+    shards = {line.split(":")[0] for line in r.stdout.splitlines() if ":" in line}
+    assert shards == part1 | part2, r.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
