@@ -425,9 +425,10 @@ TAP_PREDICATE_MAX_LOADS = 36
 
 
 def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
-    """See TAP_PREDICATE_MAX_LOADS (pointwise family only)."""
+    """See TAP_PREDICATE_MAX_LOADS (the direct family stages its patches, padding included, in shared memory)."""
     padded = shape.padding != (0, 0)
-    return padded and tiling.c_block * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS
+    return (tiling.family == "pointwise" and padded
+            and tiling.c_block * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS)
 
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:

@@ -1,5 +1,5 @@
-"""Conv layer shapes of VGG-16, ResNet-50, ResNeXt-50 32x4d and MobileNetV2 (torchvision, ImageNet 224x224 input),
-and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
+"""Conv layer shapes of VGG-16, ResNet-50, ResNeXt-50 32x4d, MobileNetV2 and MNASNet 1.0 (torchvision, ImageNet
+224x224 input), and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -24,6 +24,11 @@ RESNET50_STAGES = ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))
 # (expansion, output channels, blocks, stride of the first), torchvision's inverted_residual_setting
 MOBILENET_V2_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
                         (6, 320, 1, 1))
+
+# MNASNet 1.0 (B1), torchvision's: channels of the stem, the separable conv and the six stacks; then per stack
+# (kernel of its depthwise convs, stride of the first block, expansion, blocks)
+MNASNET_DEPTHS = (32, 16, 24, 40, 80, 96, 192, 320)
+MNASNET_STACKS = ((3, 2, 3, 3), (5, 2, 3, 3), (5, 2, 6, 3), (3, 1, 6, 2), (5, 2, 6, 4), (3, 1, 6, 1))
 
 
 def resnet50(groups: int = 1, width_per_group: int = 64) -> List[Tuple[str, ConvShape]]:
@@ -74,7 +79,33 @@ def mobilenet_v2() -> List[Tuple[str, ConvShape]]:
     return layers
 
 
-MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50, "resnext50": resnext50, "mobilenet_v2": mobilenet_v2}
+def mnasnet1_0() -> List[Tuple[str, ConvShape]]:
+    """52 convs, named as torchvision's (and zoo_torch.MNASNet's) modules: the
+    stem, a depthwise 3x3 and a 1x1, then per inverted residual a 1x1
+    expansion, a depthwise 3x3 or 5x5 (the stride here) and a 1x1 projection;
+    a last 1x1 to 1280. Its ten 5x5 depthwise convs are a class the other
+    networks lack."""
+    d = MNASNET_DEPTHS
+    layers = [("layers.0", ConvShape(3, d[0], 224, 224, 3, 3, (2, 2), (1, 1))),
+              ("layers.3", ConvShape(d[0], d[0], 112, 112, 3, 3, (1, 1), (1, 1), groups=d[0])),
+              ("layers.6", ConvShape(d[0], d[1], 112, 112, 1, 1))]
+    c_in, size = d[1], 112
+    for i, ((kernel, stride, expand, blocks), c) in enumerate(zip(MNASNET_STACKS, d[2:])):
+        for b in range(blocks):
+            s = stride if b == 0 else 1
+            hidden, p = c_in * expand, f"layers.{8 + i}.{b}.layers"
+            layers.append((f"{p}.0", ConvShape(c_in, hidden, size, size, 1, 1)))
+            layers.append((f"{p}.3", ConvShape(hidden, hidden, size, size, kernel, kernel, (s, s),
+                                               (kernel // 2, kernel // 2), groups=hidden)))
+            size //= s
+            layers.append((f"{p}.6", ConvShape(hidden, c, size, size, 1, 1)))
+            c_in = c
+    layers.append(("layers.14", ConvShape(c_in, 1280, size, size, 1, 1)))
+    return layers
+
+
+MODELS: Dict[str, object] = {"vgg16": vgg16, "resnet50": resnet50, "resnext50": resnext50, "mobilenet_v2": mobilenet_v2,
+                             "mnasnet1_0": mnasnet1_0}
 
 
 def model_layers(name: str) -> List[Tuple[str, ConvShape]]:

@@ -1,15 +1,16 @@
-"""ResNet-50, VGG-16, ResNeXt-50 and MobileNetV2 as torch modules, for the
-whole-network bench.
+"""ResNet-50, VGG-16, ResNeXt-50, MobileNetV2 and MNASNet 1.0 as torch
+modules, for the whole-network bench.
 
 torchvision is not a dependency, so these are small faithful copies of
 torchvision's definitions (ResNet-50 v1.5: the stride sits in the 3x3 conv of
 each bottleneck; VGG-16 without BN, with torchvision's classifier;
 ResNeXt-50 32x4d: ResNet-50 with 32-group 3x3 convs twice as wide;
 MobileNetV2: depthwise 3x3 convs between 1x1 expansions and projections,
-ReLU6), with the same parameter names and counts (25,557,032, 138,357,544,
-25,028,904 and 3,504,872), seeded random weights, and every conv prunable to
-a given sparsity by magnitude. The last two bring the layer classes the first
-two lack: grouped and depthwise convs.
+ReLU6; MNASNet 1.0: the same with ReLU and 5x5 depthwise convs in three of
+its six stacks), with the same parameter names and counts (25,557,032,
+138,357,544, 25,028,904, 3,504,872 and 4,383,312), seeded random weights,
+and every conv prunable to a given sparsity by magnitude. The last three
+bring the layer classes the first two lack: grouped and depthwise convs.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from .zoo import MOBILENET_V2_SETTING, RESNET50_STAGES
+from .zoo import MNASNET_DEPTHS, MNASNET_STACKS, MOBILENET_V2_SETTING, RESNET50_STAGES
 
 
 class Bottleneck(nn.Module):
@@ -123,6 +124,46 @@ class MobileNetV2(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
+class MNASNetBlock(nn.Module):
+    """torchvision's mnasnet._InvertedResidual: 1x1 expansion, depthwise k x k, 1x1 projection (no ReLU)."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        self.apply_residual = c_in == c_out and stride == 1
+        self.layers = nn.Sequential(
+            nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU(inplace=True),
+            nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden), nn.ReLU(inplace=True),
+            nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) + x if self.apply_residual else self.layers(x)
+
+
+class MNASNet(nn.Module):
+    """torchvision's mnasnet1_0 (BN momentum aside, which eval mode does not use)."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        d = MNASNET_DEPTHS
+        layers: List[nn.Module] = [
+            nn.Conv2d(3, d[0], 3, 2, 1, bias=False), nn.BatchNorm2d(d[0]), nn.ReLU(inplace=True),
+            nn.Conv2d(d[0], d[0], 3, 1, 1, groups=d[0], bias=False), nn.BatchNorm2d(d[0]), nn.ReLU(inplace=True),
+            nn.Conv2d(d[0], d[1], 1, bias=False), nn.BatchNorm2d(d[1])]
+        c_in = d[1]
+        for (kernel, stride, expand, blocks), c in zip(MNASNET_STACKS, d[2:]):
+            layers.append(nn.Sequential(*[MNASNetBlock(c_in if b == 0 else c, c, kernel, stride if b == 0 else 1,
+                                                       expand) for b in range(blocks)]))
+            c_in = c
+        layers += [nn.Conv2d(c_in, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU(inplace=True)]
+        self.layers = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.layers(x).mean([2, 3]))
+
+
 class VGG16(nn.Module):
     CFG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 
@@ -147,7 +188,7 @@ class VGG16(nn.Module):
 
 
 NETWORKS: Dict[str, Callable[[], nn.Module]] = {"resnet50": ResNet50, "vgg16": VGG16, "resnext50": ResNeXt50,
-                                                "mobilenet_v2": MobileNetV2}
+                                                "mobilenet_v2": MobileNetV2, "mnasnet1_0": MNASNet}
 
 
 def prune_convs_(model: nn.Module, sparsity: float, *, rescale: bool = False,

@@ -559,3 +559,5 @@ def test_padded_taps_take_a_test_a_load_only_where_a_chunk_has_few_loads():
         t = default_tiling(shape)
         assert shapes.tap_predicates(shape, t) == predicates, shape.describe()
         assert f"#define TAP_PREDICATES {int(predicates)}" in render(shape, t).source
+    dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: still the direct family
+    assert default_tiling(dw5x5).family == "direct" and not shapes.tap_predicates(dw5x5, default_tiling(dw5x5))

@@ -794,7 +794,7 @@ def test_split_probe_refuses_an_unknown_layer_before_building():
     the networks, not a KeyError after the imports."""
     r = _bench("bench/split_probe.py", "--sass", "--layers", "mobilenet_v2:features.99.conv.1.0")
     assert r.returncode == 2 and ("--layers: 'mobilenet_v2:features.99.conv.1.0' is not "
-                                  "<vgg16|resnet50|resnext50|mobilenet_v2>:<layer>") in r.stderr, r.stderr
+                                  "<vgg16|resnet50|resnext50|mobilenet_v2|mnasnet1_0>:<layer>") in r.stderr, r.stderr
 
 
 def test_gpu_suite_refuses_an_unknown_part_before_running_anything(tmp_path):
@@ -958,14 +958,14 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/graph_wrapper_probe.py", ["--out", "/nonexistent-folder/w.json"],
      "folder /nonexistent-folder does not exist"),
     ("bench/compile_model.py", ["lenet"],
-     "invalid choice: 'lenet' (choose from 'vgg16', 'resnet50', 'resnext50', 'mobilenet_v2')"),
+     "invalid choice: 'lenet' (choose from 'vgg16', 'resnet50', 'resnext50', 'mobilenet_v2', 'mnasnet1_0')"),
     ("bench/compile_model.py", ["vgg16", "--json", "/nonexistent-folder/c.json"],
      "the folder /nonexistent-folder does not exist"),
     ("bench/compile_model.py", ["vgg16", "--json", "c.txt"], "c.txt: the output file must end in .json"),
     ("bench/compile_model.py", ["vgg16", "--sparsity", "1"], "--sparsity must lie in [0, 1), got 1.0"),
     ("bench/compile_model.py", ["vgg16", "--jobs", "0"], "--jobs must be 1 or more, got 0"),
     ("bench/export_network.py", ["lenet", "x.onnx"],
-     "'lenet' is not one of 'mobilenet_v2', 'resnet50', 'resnext50', 'vgg16'."),
+     "'lenet' is not one of 'mnasnet1_0', 'mobilenet_v2', 'resnet50', 'resnext50', 'vgg16'."),
     ("bench/export_network.py", ["vgg16", "/nonexistent-folder/v.onnx"], "folder /nonexistent-folder does not exist"),
     ("bench/export_network.py", ["vgg16", "v.txt"], "v.txt: the output file must end in .onnx"),
     ("bench/front_end_ab.py", ["models/lenet_digits_pruned.onnx", "--out", "/nonexistent-folder/ab.json"],

@@ -11,7 +11,8 @@ from torch import nn  # noqa: E402
 from sparseconv.benchmark.network import (NetworkBenchError, NetworkReport, NetworkTiming, exactness,  # noqa: E402
                                       format_table, network_command, parse_batches, plan_layers, plot_report,
                                       report_figure, run_network_bench)
-from sparseconv.zoo_torch import MobileNetV2, ResNeXt50, ResNet50, VGG16, build_network, prune_convs_  # noqa: E402
+from sparseconv.zoo_torch import (MNASNet, MobileNetV2, ResNeXt50, ResNet50, VGG16, build_network,  # noqa: E402
+                                  prune_convs_)
 
 
 def n_params(m):
@@ -52,22 +53,28 @@ def test_resnext50_matches_torchvision_in_size_and_has_32_group_3x3_convs():
         assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
 
 
-def test_mobilenet_v2_matches_torchvision_in_size_and_names():
-    m = MobileNetV2().eval()
-    assert n_params(m) == 3_504_872  # torchvision's mobilenet_v2
+@pytest.mark.parametrize("network, params, depthwise_5x5, names", [
+    (MobileNetV2, 3_504_872, 0, {"features.0.0.weight", "features.1.conv.0.0.weight", "features.1.conv.1.weight",
+                                 "features.2.conv.3.weight", "features.18.1.bias", "classifier.1.weight"}),
+    # MNASNet 1.0: 5x5 depthwise convs in stacks 2, 3 and 5
+    (MNASNet, 4_383_312, 10, {"layers.0.weight", "layers.3.weight", "layers.7.bias", "layers.8.0.layers.3.weight",
+                              "layers.13.0.layers.7.bias", "layers.14.weight", "classifier.1.weight"}),
+])
+def test_the_depthwise_networks_match_torchvision_in_size_and_names(network, params, depthwise_5x5, names):
+    """torchvision's parameter counts (mobilenet_v2, mnasnet1_0) and names, so its state dicts would load."""
+    m = network().eval()
+    assert n_params(m) == params
     convs = {n: c for n, c in m.named_modules() if isinstance(c, nn.Conv2d)}
     assert len(convs) == 52
     depthwise = [c for c in convs.values() if c.groups > 1]
     assert len(depthwise) == 17 and all(c.groups == c.in_channels == c.out_channels for c in depthwise)
-    # torchvision's parameter names, so its state dicts would load
-    names = dict(m.named_parameters())
-    assert {"features.0.0.weight", "features.1.conv.0.0.weight", "features.1.conv.1.weight",
-            "features.2.conv.3.weight", "features.18.1.bias", "classifier.1.weight"} <= set(names)
+    assert sum(c.kernel_size == (5, 5) for c in depthwise) == depthwise_5x5
+    assert names <= set(dict(m.named_parameters()))
     with torch.no_grad():
         assert m(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
 
 
-@pytest.mark.parametrize("name", ["resnet50", "resnext50", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet50", "resnext50", "mobilenet_v2", "mnasnet1_0"])
 def test_the_zoo_shapes_are_the_modules_convs(name):
     """sparseconv.zoo's layer lists (no torch: split_probe, bench --model) name
     and shape the convs as the torch modules run them at 224x224."""
@@ -97,6 +104,8 @@ def test_the_zoo_shapes_are_the_modules_convs(name):
     ("resnext50", {"bn+relu": 33, "bn": 4, "bn+add+relu": 16}),
     # MobileNetV2: ReLU6 after the expansions and depthwise convs, the projection adds its shortcut where it has one
     ("mobilenet_v2", {"bn+relu6": 35, "bn": 7, "bn+add": 10}),
+    # MNASNet 1.0: as MobileNetV2 with ReLU
+    ("mnasnet1_0", {"bn+relu": 35, "bn": 7, "bn+add": 10}),
 ])
 def test_the_new_built_ins_go_through_the_fx_front_end_whole_and_exact(name, fused):
     """Every conv of the grouped and depthwise networks is compiled (none kept),
@@ -153,7 +162,7 @@ def test_built_in_network_is_pruned_seeded_and_in_eval_mode():
         build_network("alexnet")
 
 
-@pytest.mark.parametrize("name", ["resnext50", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnext50", "mobilenet_v2", "mnasnet1_0"])
 def test_the_grouped_and_depthwise_built_ins_are_pruned_in_every_conv(name):
     m = build_network(name, sparsity=0.9, seed=0)
     for c in m.modules():

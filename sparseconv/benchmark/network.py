@@ -32,7 +32,8 @@ VARIANTS = ("sparseconv", "eager fp32", "eager TF32", "compile fp32", "compile T
 TF32 = {"sparseconv": False, "eager fp32": False, "eager TF32": True, "compile fp32": False, "compile TF32": True}
 EXACT_REL_L2 = 1e-5  # the sparseconv output must be this close to float64, or the run fails
 # The built-in networks (zoo_torch.NETWORKS) by their names in tables
-NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "resnext50": "ResNeXt-50 32x4d", "mobilenet_v2": "MobileNetV2"}
+NAMES = {"resnet50": "ResNet-50", "vgg16": "VGG-16", "resnext50": "ResNeXt-50 32x4d", "mobilenet_v2": "MobileNetV2",
+         "mnasnet1_0": "MNASNet 1.0"}
 
 
 class NetworkBenchError(Exception):
@@ -426,8 +427,8 @@ def parse_batches(text: str) -> Tuple[int, ...]:
 
 @click.command("network")
 @click.option("--network", "network", default="resnet50", show_default=True,
-              help="Built-in network (resnet50, vgg16, resnext50 or mobilenet_v2, pruned here), or an ONNX file "
-                   "(timed with its own weights).")
+              help="Built-in network (resnet50, vgg16, resnext50, mobilenet_v2 or mnasnet1_0, pruned here), or an "
+                   "ONNX file (timed with its own weights).")
 @click.option("--batch", "batch_text", default="1,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--sparsity", type=click.FloatRange(0, 1, max_open=True), default=0.9, show_default=True,
               help="Every conv is pruned to this fraction of zeros (by magnitude).")
