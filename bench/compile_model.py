@@ -1,5 +1,5 @@
 """Compile time of every conv layer of a pruned zoo network (VGG-16, ResNet-50,
-ResNeXt-50 32x4d, MobileNetV2): cold, then warm.
+ResNeXt-50 32x4d, MobileNetV2, MNASNet 1.0): cold, then warm.
 
     python bench/compile_model.py vgg16 [--sparsity 0.9] [--jobs N] [--load] [--json out.json]
 
@@ -62,7 +62,10 @@ def main() -> None:
     errors = {}
     if a.check:
         errors = check_layers(jobs, kernels)
-    assert all(layer.stats["kernel_cache_hit"] for layer in warm.values())
+    missed = [name for name, layer in warm.items() if not layer.stats["kernel_cache_hit"]]
+    if missed:  # seen once (session 42, MNASNet 1.0) and not again in two reruns: say which, to find out why
+        sys.exit(f"the warm build missed the cache for {len(missed)} of {len(jobs)} layers: {', '.join(missed)} "
+                 f"(cache {cache})")
     print(f"# {a.model}, {len(jobs)} conv layers, sparsity {a.sparsity}, {time.strftime('%Y-%m-%d')}, "
           f"{platform.node()} ({os.cpu_count()} cores)\n")
     print("| layer | shape | nvcc s | specialise s | ptxas+nvlink s | wall s | nonzero | FMAs deleted | "
