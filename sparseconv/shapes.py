@@ -420,7 +420,11 @@ def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
 # went from 83 to 70 registers and ResNeXt-50 layer1.0.conv2 (36) from 92
 # to 78, with fewer instructions; at 144 loads (ResNeXt-50 layer3.1.conv2)
 # and on the deep 3x3 layers (ResNet-50 layer4.1.conv2) the predicates took
-# 50% more instructions and spilled.
+# 50% more instructions and spilled. Timed (H200, split_probe --cold, old
+# template against new, batch 64): MobileNetV2's depthwise layers -4 to -13%
+# on five of six (+2% on features.2), ResNeXt-50 layer1.0.conv2 -30%. The
+# pointer a pixel may point outside x where a pixel's first tap is padding;
+# it is only dereferenced at taps inside the image.
 TAP_PREDICATE_MAX_LOADS = 36
 
 
