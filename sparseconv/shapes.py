@@ -412,10 +412,13 @@ def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
     return n_chunks(shape, tiling) * tiling.slices * tiling.c_block != shape.c_per_group
 
 
-# Loads a chunk (input channels x taps) up to which a padded pointwise-family
-# layer loads each tap behind a predicate (in the image or not) at a constant
-# offset from one pointer a pixel; above it each tap keeps its own pointer,
-# set once, and padding taps read a zero buffer (the template, "TAP_PREDICATES").
+# Loads a pixel needs from one group's input (its input channels x taps) up
+# to which a padded pointwise-family layer loads each tap behind a predicate
+# (in the image or not) at a constant offset from one pointer a pixel; above
+# it each tap keeps its own pointer, set once, and padding taps read a zero
+# buffer (the template, "TAP_PREDICATES"). Counted over the group, not a
+# chunk: a deep layer at 4 channels a chunk has 36 loads a chunk but many
+# chunks, each of whose loads would take its test.
 # Session 42, ptxas sm_90 (split_probe --sass): a depthwise 3x3 (9 loads)
 # went from 83 to 70 registers and ResNeXt-50 layer1.0.conv2 (36) from 92
 # to 78, with fewer instructions; at 144 loads (ResNeXt-50 layer3.1.conv2)
@@ -432,7 +435,7 @@ def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
     """See TAP_PREDICATE_MAX_LOADS (the direct family stages its patches, padding included, in shared memory)."""
     padded = shape.padding != (0, 0)
     return (tiling.family == "pointwise" and padded
-            and tiling.c_block * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS)
+            and shape.c_per_group * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS)
 
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:

@@ -545,19 +545,22 @@ def test_direct_splits_of_deep_convs_stage_wider_chunks_where_they_fit():
     assert widest_fitting_chunk(strided, split, 2) == split
 
 
-def test_padded_taps_take_a_test_a_load_only_where_a_chunk_has_few_loads():
+def test_padded_taps_take_a_test_a_load_only_where_a_group_has_few_loads():
     """Depthwise and narrow grouped 3x3 convs (up to TAP_PREDICATE_MAX_LOADS
-    loads a chunk) load each tap at a constant offset behind a test; deep
-    3x3 convs keep a pointer a tap and the zero buffer (session 42), and
-    unpadded convs need neither."""
+    loads a pixel from its group's input) load each tap at a constant offset
+    behind a test; deep 3x3 convs keep a pointer a tap and the zero buffer
+    (session 42), and unpadded convs need neither."""
     cases = [(ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), True),     # MobileNetV2 features.1
              (ConvShape(128, 128, 56, 56, 3, 3, padding=(1, 1), groups=32), True),     # ResNeXt-50 layer1: 36
              (ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1), groups=32), False),    # ResNeXt-50 layer3: 144
              (ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1)), False),                 # ResNet-50 layer4.x.conv2
+             # VGG-16 conv5_1: 4 channels a chunk (36 loads) but 128 chunks: counted over the group
+             (ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1)), False),
              (ConvShape(64, 256, 56, 56, 1, 1), False)]                                # 1x1: nothing to pad
     for shape, predicates in cases:
         t = default_tiling(shape)
         assert shapes.tap_predicates(shape, t) == predicates, shape.describe()
         assert f"#define TAP_PREDICATES {int(predicates)}" in render(shape, t).source
+    assert default_tiling(cases[4][0]).c_block == 4  # the VGG-16 case is what it says
     dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: still the direct family
     assert default_tiling(dw5x5).family == "direct" and not shapes.tap_predicates(dw5x5, default_tiling(dw5x5))

@@ -208,12 +208,11 @@ FAMILY_LAYERS = {
     "direct_empty_last_slice": (ConvShape(5, 4, 5, 5, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 5, 5, 1, 1, slices=4),
                                 Epilogue()),
     # the pointwise family on kernels wider than 1x1: one load per (channel,
-    # tap), stride, dilation, groups, a split; zero padding by a test a load
-    # where a chunk has few loads (shapes.tap_predicates), else by a zero
-    # buffer (3x3 at 8 channels a chunk: 72 loads; the 7x7 below: 49)
+    # tap), stride, dilation, groups, a split; zero padding by a zero buffer,
+    # or by a test a load where a pixel needs few loads from its group
+    # (shapes.tap_predicates: the dilated 2-channel groups below, 18 loads;
+    # pw_padding_clip, a padded 1x1; here 45 loads, the buffer)
     "pw3x3_padding": (ConvShape(5, 8, 6, 7, 3, 3, (1, 1), (1, 1)), _pointwise(8, 2, 1, 32), Epilogue("relu")),
-    "pw3x3_padding_tap_pointers": (ConvShape(16, 4, 6, 7, 3, 3, (1, 1), (1, 1)), _pointwise(4, 8, 2, 32),
-                                   Epilogue("relu")),
     "pw3x3_stride2_split": (ConvShape(6, 4, 9, 8, 3, 3, (2, 2), (1, 1)), _pointwise(4, 2, 2, 32, 2), Epilogue()),
     "pw3x3_dilation_groups": (ConvShape(4, 6, 8, 8, 3, 3, (1, 1), (2, 2), (2, 2), groups=2), _pointwise(3, 1, 1, 32),
                               Epilogue("relu6", residual=True)),
