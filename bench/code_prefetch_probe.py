@@ -37,7 +37,7 @@ from sparseconv.runtime import Conv2dKernel
 from sparseconv.shapes import Epilogue, Target, variant_for_batch
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import model_layers, pruned_model
+from sparseconv.zoo import find_layer, pruned_model
 
 
 def main() -> None:
@@ -47,9 +47,10 @@ def main() -> None:
     args = ap.parse_args()
     names = args.layers.split(",")
     for lname in names:  # every argument checked before anything is built or touches a GPU
-        net, _, name = lname.partition(":")
-        if net not in ("resnet50", "vgg16") or name not in dict(model_layers(net)):
-            ap.error(f"--layers: {lname!r} is not <resnet50|vgg16>:<layer>, e.g. resnet50:conv1")
+        try:
+            find_layer(lname, ("resnet50", "vgg16"))
+        except ValueError as e:
+            ap.error(f"--layers: {e}, e.g. resnet50:conv1")
     if not Path(args.out).resolve().parent.is_dir():
         ap.error(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
     import cupy

@@ -46,7 +46,7 @@ from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_ti
                                variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import MODELS, pruned_model
+from sparseconv.zoo import find_layer, pruned_model
 
 
 def parse_cand(shape, text: str, batch: int):
@@ -164,8 +164,11 @@ def cubin_stats(cubin: bytes) -> dict:
         path = os.path.join(tmp, "layer.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        try:
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+            res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        except subprocess.CalledProcessError as exc:  # e.g. cuobjdump -sass needs nvdisasm on PATH
+            sys.exit(f"--sass: {tool} failed: {(exc.stderr or exc.stdout).strip().splitlines()[-1]}")
     depths = load_depths(sass)
     return dict(registers=max(int(r) for r in re.findall(r"REG:(\d+)", res)),
                 stack_bytes=max(int(r) for r in re.findall(r"STACK:(\d+)", res)),
@@ -202,7 +205,6 @@ def main() -> None:
         ap.error("--sparsity draws random weights; it does not apply to --weights zoo")
     if not all(0 <= v <= 1 for v in args.sparsity):
         ap.error(f"--sparsity must lie in [0, 1], got {args.sparsity}")
-    nets = {name: dict(layers()) for name, layers in MODELS.items()}
     epilogues = {"none": Epilogue(), "relu": Epilogue("relu"), "add+relu": Epilogue("relu", residual=True)}
     chosen = args.epilogue.split(",")
     if not set(chosen) <= set(epilogues):
@@ -216,16 +218,17 @@ def main() -> None:
         except ValueError as e:
             ap.error(f"--cands {c}: {e}")
     for lname in args.layers.split(","):
-        net, _, name = lname.partition(":")
-        if name not in nets.get(net, {}):
-            ap.error(f"--layers: {lname!r} is not <{'|'.join(nets)}>:<layer>, e.g. mobilenet_v2:features.16.conv.1.0")
+        try:
+            find_layer(lname)
+        except ValueError as e:
+            ap.error(f"--layers: {e}, e.g. mobilenet_v2:features.16.conv.1.0")
     rng = np.random.default_rng(0)
     used = {lname.split(":")[0] for lname in args.layers.split(",")}
     zoo = {net: {name: w for name, _, w in pruned_model(net, 0.9)} for net in used} if args.weights == "zoo" else {}
     jobs, plan = [], []
     for lname in args.layers.split(","):
         net, name = lname.split(":")
-        shape = nets[net][name]
+        shape = find_layer(lname)
         for sparsity in (args.sparsity or [None]):
             w = zoo[net][name] if zoo else layer_weight(args.seed, lname, shape, 0.9 if sparsity is None else sparsity)
             for c in args.cands.split(","):

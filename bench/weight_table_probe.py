@@ -41,7 +41,7 @@ from sparseconv.shapes import Epilogue, Target, variant_for_batch
 from sparseconv.table import TableConv2d, TableTiling, table_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
-from sparseconv.zoo import model_layers, pruned_model
+from sparseconv.zoo import find_layer, pruned_model
 
 
 def main() -> None:
@@ -66,9 +66,10 @@ def main() -> None:
         except ValueError as e:
             ap.error(f"--cands {c}: {e}")
     for lname in args.layers.split(","):
-        net, _, name = lname.partition(":")
-        if net not in ("resnet50", "vgg16") or name not in dict(model_layers(net)):
-            ap.error(f"--layers: {lname!r} is not <resnet50|vgg16>:<layer>, e.g. resnet50:layer4.1.conv2")
+        try:
+            find_layer(lname, ("resnet50", "vgg16"))
+        except ValueError as e:
+            ap.error(f"--layers: {e}, e.g. resnet50:layer4.1.conv2")
     if args.batch < 1:
         ap.error(f"--batch must be 1 or more, got {args.batch}")
     if not Path(args.out).resolve().parent.is_dir():

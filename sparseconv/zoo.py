@@ -2,7 +2,7 @@
 224x224 input), and seeded pruned weights for them (models/make_pruned_zoo.py writes those to .npz)."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -112,6 +112,16 @@ def model_layers(name: str) -> List[Tuple[str, ConvShape]]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     return MODELS[name]()  # type: ignore[operator]
+
+
+def find_layer(text: str, networks: Sequence[str] = tuple(MODELS)) -> ConvShape:
+    """The shape of a layer named "<network>:<layer>" (e.g. resnet50:layer4.1.conv2), the network one of
+    `networks`; ValueError saying what is expected otherwise (the bench probes' --layers)."""
+    net, _, name = text.partition(":")
+    layers = dict(model_layers(net)) if net in networks else {}
+    if name not in layers:
+        raise ValueError(f"{text!r} is not <{'|'.join(networks)}>:<layer>")
+    return layers[name]
 
 
 def pruned_model(name: str, sparsity: float, seed: int = 0) -> List[Tuple[str, ConvShape, np.ndarray]]:

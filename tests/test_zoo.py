@@ -1,8 +1,9 @@
 """CPU: model layer specs and the pruned-weight generator."""
 import numpy as np
+import pytest
 
 from sparseconv.testing import he_pruned_weight, magnitude_prune
-from sparseconv.zoo import model_layers
+from sparseconv.zoo import find_layer, model_layers
 
 
 def test_vgg16_has_13_convs_ending_at_14x14():
@@ -35,3 +36,17 @@ def test_he_pruned_weight_is_seeded_scaled_and_pruned():
     np.testing.assert_array_equal(w, he_pruned_weight(np.random.default_rng(3), (32, 16, 3, 3), 0.8))
     # He scale: std sqrt(2 / (C*R*S)) before pruning, so no survivor is wildly out of it
     assert np.abs(w).max() < 6 * np.sqrt(2.0 / (16 * 9))
+
+
+def test_find_layer_names_network_and_layer_or_says_what_is_expected():
+    """The bench probes' --layers check: "<network>:<layer>", among the networks a probe takes."""
+    assert find_layer("mnasnet1_0:layers.12.1.layers.3") == dict(model_layers("mnasnet1_0"))["layers.12.1.layers.3"]
+    assert find_layer("vgg16:conv5_1", ("resnet50", "vgg16")).in_h == 14
+    for text, networks, message in [
+            ("resnet50:layer9.conv1", ("resnet50", "vgg16"), "'resnet50:layer9.conv1' is not <resnet50|vgg16>:<layer>"),
+            ("mobilenet_v2:features.1.conv.0.0", ("resnet50", "vgg16"),  # a zoo network this probe does not take
+             "'mobilenet_v2:features.1.conv.0.0' is not <resnet50|vgg16>:<layer>"),
+            ("conv1", ("resnet50",), "'conv1' is not <resnet50>:<layer>")]:
+        with pytest.raises(ValueError) as e:
+            find_layer(text, networks)
+        assert str(e.value) == message
