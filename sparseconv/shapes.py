@@ -640,12 +640,21 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
 DEPTHWISE_THREADS = 256
 DEPTHWISE_MAX_K_BLOCK = 8
 DEPTHWISE_LARGE_THREADS, DEPTHWISE_LARGE_PIXELS = 128, 2
+# The most taps a depthwise kernel may have to take this rule: 5x5 too (at
+# 90% zeros a 5x5 channel keeps ~2.5 of its 25 taps, and with one input
+# channel a group its loads stay under TAP_PREDICATE_MAX_LOADS, one pointer a
+# pixel). Session 43 (H200, MNASNet 1.0's 5x5 depthwise, split_probe --cold,
+# batch 64 / 1): layers.9.1.layers.3 (28x28) 245 -> 58 / 4.5 -> 2.4-3.7 us,
+# layers.10.1.layers.3 (14x14) 437 -> 61 / 8.5 -> 4.3, layers.12.1.layers.3
+# (7x7) 711 -> 48 / 23.4 -> 8.3; the direct family gave each block one
+# channel of one image (49-126 threads).
+MAX_DEPTHWISE_TAPS = 25
 
 
 def is_depthwise(shape: ConvShape) -> bool:
-    """One input channel a group, a kernel the pointwise family's taps allow."""
+    """One input channel a group, at most MAX_DEPTHWISE_TAPS taps."""
     return (shape.groups > 1 and shape.c_per_group == 1
-            and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS)
+            and shape.kernel_h * shape.kernel_w <= MAX_DEPTHWISE_TAPS)
 
 
 def depthwise_tiling(shape: ConvShape) -> Tiling:

@@ -21,7 +21,7 @@ from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_W
                                large_image_blocks, register_resident_blocks,
                                summed_in_cluster, variant_for_batch, whole_image_split,
                                widest_fitting_chunk)
-from sparseconv.zoo import mobilenet_v2, resnet50, resnext50, vgg16
+from sparseconv.zoo import mnasnet1_0, mobilenet_v2, resnet50, resnext50, vgg16
 
 
 def test_1x1_convs_get_the_pointwise_family_by_depth():
@@ -77,8 +77,15 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
         assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * -(-shape.k_per_group // k_block)
     dw = [s for _, s in mobilenet_v2() if s.groups > 1]
     assert len(dw) == 17 and all(default_tiling(s).family == "pointwise" for s in dw)
-    # 5x5 depthwise (25 taps) keeps the direct family's rule
-    shape = ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=32)
+    # 5x5 depthwise (MNASNet's, session 43) takes the same rule, with a tap test a tap; 7x7 stays direct
+    for shape, pixels in [(ConvShape(120, 120, 28, 28, 5, 5, padding=(2, 2), groups=120), 2),
+                          (ConvShape(480, 480, 14, 14, 5, 5, padding=(2, 2), groups=480), 1),
+                          (ConvShape(72, 72, 56, 56, 5, 5, (2, 2), (2, 2), groups=72), 2)]:
+        assert shapes.is_depthwise(shape), shape.describe()
+        t = default_tiling(shape)
+        assert (t.family, t.k_block, t.thread_w) == ("pointwise", 1, pixels) and shapes.tap_predicates(shape, t)
+    assert [default_tiling(s).family for _, s in mnasnet1_0() if s.kernel_h == 5] == ["pointwise"] * 10
+    shape = ConvShape(32, 32, 28, 28, 7, 7, padding=(3, 3), groups=32)
     assert not shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
     assert default_tiling(shape).family == "direct"
 
@@ -562,5 +569,7 @@ def test_padded_taps_take_a_test_a_load_only_where_a_group_has_few_loads():
         assert shapes.tap_predicates(shape, t) == predicates, shape.describe()
         assert f"#define TAP_PREDICATES {int(predicates)}" in render(shape, t).source
     assert default_tiling(cases[4][0]).c_block == 4  # the VGG-16 case is what it says
-    dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: still the direct family
-    assert default_tiling(dw5x5).family == "direct" and not shapes.tap_predicates(dw5x5, default_tiling(dw5x5))
+    dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: 25 loads (session 43)
+    assert default_tiling(dw5x5).family == "pointwise" and shapes.tap_predicates(dw5x5, default_tiling(dw5x5))
+    dw7x7 = ConvShape(96, 96, 14, 14, 7, 7, padding=(3, 3), groups=96)  # ConvNeXt's: the direct family stages it
+    assert default_tiling(dw7x7).family == "direct" and not shapes.tap_predicates(dw7x7, default_tiling(dw7x7))

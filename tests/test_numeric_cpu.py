@@ -31,6 +31,8 @@ LAYERS = {
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
     # depthwise with a channel multiplier of 2, the default (pointwise family, the batch in the pixels)
     "depthwise_mult2": (ConvShape(4, 8, 6, 6, 3, 3, (1, 1), (1, 1), groups=4), None),
+    # 5x5 depthwise, stride 2 (MNASNet's), the default since session 43: pointwise, a tap test a tap
+    "depthwise_5x5_s2": (ConvShape(3, 3, 9, 8, 5, 5, (2, 2), (2, 2), groups=3), None),
     # the pointwise family at 2 pixels a thread on a depthwise layer, and on a 4-group 3x3 (ResNeXt's
     # kind): the candidates docs/pending asks to time next
     "depthwise_2px": (ConvShape(6, 6, 9, 9, 3, 3, (1, 1), (1, 1), groups=6), Tiling(1, 1, 1, 64, 1, 2, 1, "pointwise")),
