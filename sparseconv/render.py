@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
-from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, n_chunks, n_kblocks, padded_channels, patch_size,
+from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels, patch_size,
                      stage_steps, tap_predicates)
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
@@ -102,6 +102,7 @@ def body_index(shape: ConvShape, tiling: Tiling, kb: int, cb: int, r: int, s: in
 
 def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) -> RenderedTemplate:
     check_tiling(shape, tiling)
+    layer_shape, shape = shape, kernel_shape(shape, tiling)  # several depthwise groups a block: see there
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     placeholders: Dict[int, Tuple[int, int, int, int]] = {}
@@ -144,4 +145,4 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
     expected = tiling.k_block * tiling.c_block * shape.kernel_h * shape.kernel_w
     if len(placeholders) != expected:
         raise AssertionError(f"template rendered {len(placeholders)} placeholders, expected {expected}")
-    return RenderedTemplate(source, shape, tiling, placeholders, epilogue)
+    return RenderedTemplate(source, layer_shape, tiling, placeholders, epilogue)

@@ -316,6 +316,23 @@ L2_GROUP_BYTES = 8 << 20
 MAX_GRID_Z = 65535
 
 
+def kernel_shape(shape: ConvShape, tiling: Tiling) -> ConvShape:
+    """The shape the kernel is built for. A depthwise layer (one input
+    channel a group) whose pointwise tiling takes c_block = G > 1 input
+    channels a chunk runs as groups / G groups of G input channels each
+    (DEPTHWISE_GROUPS_A_BLOCK): its weights become block-diagonal
+    (specialise.weights.arrange_weights), and the specialiser deletes the
+    zeros between the groups like any other zero weight. The layer's tensors
+    are the same either way. Every function here of a shape and a tiling
+    sees this shape; it is idempotent."""
+    if not (tiling.family == "pointwise" and shape.c_per_group == 1 and shape.groups > 1 and tiling.c_block > 1):
+        return shape
+    if shape.groups % tiling.c_block:
+        raise ValueError(f"tiling {tiling.describe()}: {tiling.c_block} depthwise groups a block must divide "
+                         f"the {shape.groups} groups")
+    return replace(shape, groups=shape.groups // tiling.c_block)
+
+
 def pixel_blocks(shape: ConvShape, tiling: Tiling, batch: int) -> int:
     """Pointwise family: blocks of pixels the whole batch gives."""
     return -(-batch * shape.out_h * shape.out_w // tiling.tile_w)
@@ -335,6 +352,7 @@ def launch_grid(shape: ConvShape, tiling: Tiling, batch: int) -> Tuple[int, int,
     it has more than one k-block; the last group's extra blocks store nothing.
     Extra blocks are kept few: one more block than fits a wave adds a wave
     (ResNet-50's layer2.1.conv1 at batch 64: 58 -> 93 us with 24 extra)."""
+    shape = kernel_shape(shape, tiling)
     if tiling.family == "pointwise":
         blocks, kblocks = pixel_blocks(shape, tiling, batch), n_kblocks(shape, tiling)
         if kblocks == 1:  # the input is read once in any order: no groups, no extra blocks
@@ -351,6 +369,7 @@ def max_batch_per_launch(shape: ConvShape, tiling: Tiling) -> int:
     gridDim.z for the direct family; for the pointwise family, gridDim.z
     groups of pixel blocks, and the batch's pixels, the last group's extra
     blocks included (fewer than gridDim.z), must index as a 32-bit int."""
+    shape = kernel_shape(shape, tiling)
     if tiling.family == "pointwise":
         group_pixels = pixel_group(shape, tiling) * tiling.tile_w
         pixels = min(2**31 - 1 - MAX_GRID_Z * tiling.tile_w, MAX_GRID_Z * group_pixels)
@@ -398,17 +417,20 @@ def stage_steps(shape: ConvShape, tiling: Tiling) -> int:
 def n_chunks(shape: ConvShape, tiling: Tiling) -> int:
     """Chunks of c_block input channels one block runs: all of a group's, or
     one slice's share of them when the reduction is split."""
+    shape = kernel_shape(shape, tiling)
     return math.ceil(math.ceil(shape.c_per_group / tiling.c_block) / tiling.slices)
 
 
 def n_kblocks(shape: ConvShape, tiling: Tiling) -> int:
     """Copies of the k-block function, blockIdx.y's range: output-channel
     blocks over all groups, times the slices of the reduction."""
+    shape = kernel_shape(shape, tiling)
     return shape.groups * math.ceil(shape.k_per_group / tiling.k_block) * tiling.slices
 
 
 def padded_channels(shape: ConvShape, tiling: Tiling) -> bool:
     """Do the chunks (of every slice) run past the group's last input channel?"""
+    shape = kernel_shape(shape, tiling)
     return n_chunks(shape, tiling) * tiling.slices * tiling.c_block != shape.c_per_group
 
 
@@ -433,6 +455,7 @@ TAP_PREDICATE_MAX_LOADS = 36
 
 def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
     """See TAP_PREDICATE_MAX_LOADS (the direct family stages its patches, padding included, in shared memory)."""
+    shape = kernel_shape(shape, tiling)
     padded = shape.padding != (0, 0)
     return (tiling.family == "pointwise" and padded
             and shape.c_per_group * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS)
@@ -440,6 +463,7 @@ def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
+    shape = kernel_shape(shape, tiling)
     if tiling.family == "pointwise" and shape.kernel_h * shape.kernel_w > 64:
         raise ValueError(f"the pointwise family serves kernels of at most 64 taps, "
                          f"not {shape.kernel_h}x{shape.kernel_w}")
@@ -622,7 +646,8 @@ def default_direct_tiling(shape: ConvShape) -> Tiling:
 
 
 # Depthwise convs (one input channel a group, MobileNet's 3x3) take the
-# pointwise family: one group's output channels a block over DEPTHWISE_THREADS
+# pointwise family: one group's output channels a block (or several groups,
+# DEPTHWISE_GROUPS_A_BLOCK) over DEPTHWISE_THREADS
 # pixels, the batch folded into them. The direct family gave each block one
 # channel of one image (49 threads at 7x7) and staged its patch in shared
 # memory for ~1 FMA a thread at 90% zeros: MobileNetV2's 17 depthwise layers
@@ -649,6 +674,19 @@ DEPTHWISE_LARGE_THREADS, DEPTHWISE_LARGE_PIXELS = 128, 2
 # (7x7) 711 -> 48 / 23.4 -> 8.3; the direct family gave each block one
 # channel of one image (49-126 threads).
 MAX_DEPTHWISE_TAPS = 25
+# Depthwise groups a block (kernel_shape), where each has one output channel
+# and the block's loads a pixel (groups x taps) stay within
+# TAP_PREDICATE_MAX_LOADS: 4 for 3x3, 1 for 5x5. With one group a block each
+# channel paid its pixels' index arithmetic and tap tests again, ~30 SASS
+# instructions an output for ~1 FMA; four groups share them. Session 43:
+# ptxas sm_90, MobileNetV2 features.1 3,952 -> 1,840 SASS instructions (70
+# -> 86 registers), features.2 12,608 -> 5,864, features.15 75,680 ->
+# 29,440; H200 (split_probe --cold, against the one-group defaults), batch
+# 64: features.1 131 -> 59 us (its memory floor is ~50), features.2 155 ->
+# 79, features.11 40 -> 18, features.15 39 -> 15, MNASNet layers.3 158 ->
+# 59; batch 1: 3.0-6.8 -> 1.8-3.7 us. MobileNetV2 2,181 -> 1,662 us at
+# batch 64.
+DEPTHWISE_GROUPS_A_BLOCK = 4
 
 
 def is_depthwise(shape: ConvShape) -> bool:
@@ -657,12 +695,23 @@ def is_depthwise(shape: ConvShape) -> bool:
             and shape.kernel_h * shape.kernel_w <= MAX_DEPTHWISE_TAPS)
 
 
+def depthwise_groups_a_block(shape: ConvShape) -> int:
+    """See DEPTHWISE_GROUPS_A_BLOCK: the most that divides the groups."""
+    if shape.k_per_group != 1 or shape.padding == (0, 0):
+        return 1
+    most = min(DEPTHWISE_GROUPS_A_BLOCK, TAP_PREDICATE_MAX_LOADS // (shape.kernel_h * shape.kernel_w))
+    return next(g for g in range(max(1, most), 0, -1) if shape.groups % g == 0)
+
+
 def depthwise_tiling(shape: ConvShape) -> Tiling:
-    """See DEPTHWISE_THREADS."""
+    """See DEPTHWISE_THREADS and DEPTHWISE_GROUPS_A_BLOCK."""
     k_block = min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK)
     if shape.out_h * shape.out_w >= SMALL_OUTPUT:
-        return pointwise_tiling(shape, k_block, DEPTHWISE_LARGE_PIXELS, DEPTHWISE_LARGE_THREADS)
-    return pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS)
+        t = pointwise_tiling(shape, k_block, DEPTHWISE_LARGE_PIXELS, DEPTHWISE_LARGE_THREADS)
+    else:
+        t = pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS)
+    g = depthwise_groups_a_block(shape)
+    return replace(t, k_block=g * k_block, c_block=g) if g > 1 else t
 
 
 # Grouped convs with a few input channels a group (ResNeXt's 32-group 3x3:

@@ -55,26 +55,37 @@ def test_1x1_exceptions_chosen_on_cold_times():
 
 
 def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels():
-    """One input channel a group (MobileNet's 3x3): the pointwise family, one
-    group's output channels a block (up to 8), 256 threads x 1 pixel, or 128
-    threads x 2 pixels at outputs of 28x28 or more; the direct family gave
-    each block one channel of one image (sessions 41-42)."""
-    for shape, k_block, threads, pixels in [
-            (ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), 1, 128, 2),
-            (ConvShape(144, 144, 56, 56, 3, 3, (2, 2), (1, 1), groups=144), 1, 128, 2),   # 28x28 out
-            (ConvShape(192, 192, 28, 28, 3, 3, (2, 2), (1, 1), groups=192), 1, 256, 1),   # 14x14 out
-            (ConvShape(960, 960, 7, 7, 3, 3, padding=(1, 1), groups=960), 1, 256, 1),
-            (ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), 1, 128, 2),
-            (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2, 256, 1),     # multiplier 2
-            (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8, 256, 1)]:      # 16 a group
+    """One input channel a group (MobileNet's 3x3): the pointwise family, 256
+    threads x 1 pixel, or 128 threads x 2 pixels at outputs of 28x28 or more;
+    the direct family gave each block one channel of one image (sessions
+    41-42). With one output channel a group, up to 4 groups a block
+    (c_block = k_block = G, session 43); with more, one group's output
+    channels a block (up to 8)."""
+    for shape, k_block, threads, pixels, groups_a_block in [
+            (ConvShape(32, 32, 112, 112, 3, 3, padding=(1, 1), groups=32), 4, 128, 2, 4),
+            (ConvShape(144, 144, 56, 56, 3, 3, (2, 2), (1, 1), groups=144), 4, 128, 2, 4),   # 28x28 out
+            (ConvShape(192, 192, 28, 28, 3, 3, (2, 2), (1, 1), groups=192), 4, 256, 1, 4),   # 14x14 out
+            (ConvShape(960, 960, 7, 7, 3, 3, padding=(1, 1), groups=960), 4, 256, 1, 4),
+            (ConvShape(96, 96, 112, 112, 3, 3, (2, 2), (1, 1), groups=96), 4, 128, 2, 4),
+            (ConvShape(6, 6, 9, 9, 3, 3, padding=(1, 1), groups=6), 3, 256, 1, 3),           # 4 does not divide 6
+            (ConvShape(7, 7, 9, 9, 3, 3, padding=(1, 1), groups=7), 1, 256, 1, 1),
+            (ConvShape(8, 8, 9, 9, 3, 3, groups=8), 1, 256, 1, 1),                          # unpadded: no tap tests
+            (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2, 256, 1, 1),     # multiplier 2
+            (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8, 256, 1, 1)]:      # 16 a group
         assert shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == ("pointwise", k_block, 1, threads, pixels), \
-            shape.describe()
+        assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == \
+            ("pointwise", k_block, groups_a_block, threads, pixels), shape.describe()
         check_tiling(shape, t)
-        # the whole batch, any size, in one variant: no split (one input channel) and no batch-1 blocks
+        kernel = shapes.kernel_shape(shape, t)
+        assert kernel == replace(shape, groups=shape.groups // groups_a_block)
+        assert shapes.kernel_shape(kernel, t) == kernel  # idempotent
+        # the whole batch, any size, in one variant: no split (one chunk) and no batch-1 blocks
         assert batch_variants(shape, t) == [(ANY_BATCH, t)]
-        assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * -(-shape.k_per_group // k_block)
+        assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == \
+            shape.groups // groups_a_block * -(-shape.k_per_group * groups_a_block // k_block)
+    with pytest.raises(ValueError, match="3 depthwise groups a block must divide the 8 groups"):
+        check_tiling(ConvShape(8, 8, 9, 9, 3, 3, padding=(1, 1), groups=8), Tiling(3, 3, 1, 64, 1, 1, 1, "pointwise"))
     dw = [s for _, s in mobilenet_v2() if s.groups > 1]
     assert len(dw) == 17 and all(default_tiling(s).family == "pointwise" for s in dw)
     # 5x5 depthwise (MNASNet's, session 43) takes the same rule, with a tap test a tap; 7x7 stays direct

@@ -323,13 +323,17 @@ def test_api_arguments_out_of_range(tmp_path):
         shape_from_weight(w, 8, stride=1.5)
     with pytest.raises(LimitError, match="32-bit"):
         check_layer(ConvShape(2, 4, 2 ** 31, 1, 3, 1, padding=(1, 0)))
+    # 100,000 groups of two input channels: a block each, past the grid's y axis
     with pytest.raises(LimitError, match="65535"):
+        check_layer(ConvShape(200000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))
+    # 100,000 depthwise groups take 4 a block (25,000 blocks): within the grid, past the body copies
+    with pytest.raises(LimitError, match="25000 copies of its body"):
         check_layer(ConvShape(100000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))
     with pytest.raises(LimitError, match=str(MAX_BODY_COPIES)):
         check_layer(ConvShape(512, 4096, 7, 7, 7, 7))  # VGG's fc6 as a conv: 65536 body copies
-    with pytest.raises(ValueError, match="layer dw: .*65535"):
-        build_many([LayerJob("dw", np.ones((100000, 1, 3, 3), np.float32),
-                             ConvShape(100000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))],
+    with pytest.raises(ValueError, match="layer grouped: .*65535"):
+        build_many([LayerJob("grouped", np.ones((100000, 2, 3, 3), np.float32),
+                             ConvShape(200000, 100000, 8, 8, 3, 3, padding=(1, 1), groups=100000))],
                    cache_dir=str(tmp_path / "cache"), progress=False)
     model = load_model(write_npz(tmp_path / "m.npz"))
     (tmp_path / "a_file").write_text("x")

@@ -31,6 +31,11 @@ LAYERS = {
     "depthwise_s2": (ConvShape(4, 4, 7, 7, 3, 3, (2, 2), (1, 1), groups=4), None),
     # depthwise with a channel multiplier of 2, the default (pointwise family, the batch in the pixels)
     "depthwise_mult2": (ConvShape(4, 8, 6, 6, 3, 3, (1, 1), (1, 1), groups=4), None),
+    # several depthwise groups a block (shapes.kernel_shape, session 43): 3 by default on 6 groups,
+    # and 2 groups of multiplier 2 from a user's tiling (block-diagonal weights, zeros deleted)
+    "depthwise_3_groups_a_block": (ConvShape(6, 6, 7, 6, 3, 3, (1, 1), (1, 1), groups=6), None),
+    "depthwise_mult2_2_groups_a_block": (ConvShape(4, 8, 6, 5, 3, 3, (1, 1), (1, 1), groups=4),
+                                         Tiling(4, 2, 1, 64, 1, 1, 1, "pointwise")),
     # 5x5 depthwise, stride 2 (MNASNet's), the default since session 43: pointwise, a tap test a tap
     "depthwise_5x5_s2": (ConvShape(3, 3, 9, 8, 5, 5, (2, 2), (2, 2), groups=3), None),
     # the pointwise family at 2 pixels a thread on a depthwise layer, and on a 4-group 3x3 (ResNeXt's
