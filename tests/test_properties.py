@@ -8,6 +8,7 @@ costs an nvcc run."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ from sparseconv.build import build_conv2d  # noqa: E402
 from sparseconv.cache import ArtifactCache  # noqa: E402
 from sparseconv.cli import main  # noqa: E402
 from sparseconv.limits import check_layer  # noqa: E402
-from sparseconv.shapes import shape_from_weight  # noqa: E402
+from sparseconv.shapes import ConvShape, Tiling, kernel_shape, shape_from_weight  # noqa: E402
+from sparseconv.specialise import arrange_weights  # noqa: E402
 
 from ptx_interpreter import run_kernel  # noqa: E402
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2  # noqa: E402
@@ -238,3 +240,28 @@ def test_onnx_torch_matches_onnxruntime_on_random_cnns(tmp_path_factory, chain, 
         front = prepare(module, torch.from_numpy(x[:1]), linear=LinearOptions())
         assert front.traced, front.trace_error
         assert relative_l2(front.module(torch.from_numpy(x)).numpy(), want) <= 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups_a_block=st.integers(2, 4), blocks=st.integers(1, 3), multiplier=st.integers(1, 3),
+       k_block=st.integers(1, 12), seed=st.integers(0, 2**31))
+def test_depthwise_groups_a_block_are_the_same_conv_with_block_diagonal_weights(groups_a_block, blocks, multiplier,
+                                                                             k_block, seed):
+    """shapes.kernel_shape builds G depthwise groups a block as a grouped conv
+    of G input channels a group; arrange_weights must put each output
+    channel's weights at its own group's channel and zeros elsewhere, which
+    is the same convolution (float64, any multiplier and k_block)."""
+    g = groups_a_block * blocks
+    shape = ConvShape(g, g * multiplier, 5, 6, 3, 3, padding=(1, 1), groups=g)
+    tiling = Tiling(min(k_block, groups_a_block * multiplier), groups_a_block, 1, 32, 1, 1, 1, "pointwise")
+    kshape = kernel_shape(shape, tiling)
+    assert kshape == replace(shape, groups=blocks) and kernel_shape(kshape, tiling) == kshape
+    rng = np.random.default_rng(seed)
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    merged = np.zeros(kshape.weight_shape, np.float32)  # written out channel by channel, apart from the code
+    for k in range(shape.out_channels):
+        merged[k, (k // multiplier) % groups_a_block] = w[k, 0]
+    np.testing.assert_array_equal(arrange_weights(w, shape, tiling), arrange_weights(merged, kshape, tiling))
+    x = rng.standard_normal((2, g, 5, 6))
+    ref = conv2d_reference(x, w, padding=(1, 1), groups=g)
+    assert relative_l2(conv2d_reference(x, merged, padding=(1, 1), groups=blocks), ref) < 1e-12
