@@ -15,8 +15,8 @@ from typing import Dict, Tuple
 import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
-from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels, patch_size,
-                     stage_steps, tap_predicates)
+from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels,
+                     patch_size, stage_steps, tap_predicates)
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
 ENTRY_NAME = "sc_conv2d"

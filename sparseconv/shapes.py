@@ -696,7 +696,8 @@ def is_depthwise(shape: ConvShape) -> bool:
 
 
 def depthwise_groups_a_block(shape: ConvShape) -> int:
-    """See DEPTHWISE_GROUPS_A_BLOCK: the most that divides the groups."""
+    """See DEPTHWISE_GROUPS_A_BLOCK: the most that divides the groups.
+    Unpadded layers (their taps take pointers, not tests; not measured) keep 1."""
     if shape.k_per_group != 1 or shape.padding == (0, 0):
         return 1
     most = min(DEPTHWISE_GROUPS_A_BLOCK, TAP_PREDICATE_MAX_LOADS // (shape.kernel_h * shape.kernel_w))
