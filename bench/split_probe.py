@@ -42,8 +42,8 @@ import numpy as np
 from sparseconv.compile import ToolNotFoundError, find_tool
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, pointwise_tiling, tiling_for,
-                               variant_for_batch)
+from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, kernel_shape, pointwise_tiling,
+                               tiling_for, variant_for_batch)
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import find_layer, pruned_model
@@ -53,7 +53,8 @@ def parse_cand(shape, text: str, batch: int):
     """"default", "direct" (the direct family's default and its split variant
     for this batch), "d" k_block x outputs a thread along W x threads (the
     direct family, unsplit: shapes.tiling_for, e.g. d8x2x128) or
-    k_block x threads x slices[x c_block] (the pointwise family), each with optional
+    k_block x threads x slices[x c_block] (the pointwise family; on a depthwise layer
+    c_block groups a block, shapes.kernel_shape), each with optional
     suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
     ":Scluster" (how the slices are summed, Tiling.slice_sum), e.g. 64x256x1:B2."""
@@ -72,7 +73,9 @@ def parse_cand(shape, text: str, batch: int):
     else:
         kb, threads, slices, *cb = (int(v) for v in text.split("x"))
         t = replace(pointwise_tiling(shape, kb, pixels, threads), slices=slices)
-        t = replace(t, c_block=cb[0]) if cb else t
+        if cb:  # on a depthwise layer c_block > 1 takes that many groups a block, and k_block may grow with it
+            t = replace(t, c_block=cb[0])
+            t = replace(t, k_block=min(kb, kernel_shape(shape, t).k_per_group))
     return replace(t, **fields)
 
 

@@ -61,6 +61,11 @@ def test_pixels_suffix_sets_the_pixels_a_thread_of_a_pointwise_candidate():
     t = split_probe.parse_cand(dw, "1x256x1:P4", 64)
     assert (t.family, t.k_block, t.threads, t.thread_w, t.tile_w) == ("pointwise", 1, 256, 4, 1024)
     assert split_probe.parse_cand(dw, "1x256x1", 64).thread_w == 1
+    # c_block on a depthwise layer: that many groups a block, k_block with them (shapes.kernel_shape)
+    t = split_probe.parse_cand(dw, "4x256x1x4:B2", 64)
+    assert (t.k_block, t.c_block, t.min_blocks) == (4, 4, 2)
+    assert split_probe.parse_cand(dw, "8x256x1x4", 64).k_block == 4  # the merged group's 4 output channels
+    assert split_probe.parse_cand(dict(vgg16())["conv4_2"], "32x256x1x8", 1).k_block == 32  # others as before
     with pytest.raises(ValueError, match="pointwise candidate"):
         split_probe.parse_cand(dict(vgg16())["conv4_2"], "direct:P2", 1)
     with pytest.raises(ValueError, match="pointwise candidate"):  # not silently dropped from a default
