@@ -203,7 +203,10 @@ def _child_pids() -> set:
 
     pids = set()
     for task in Path("/proc/self/task").iterdir():
-        pids.update(int(p) for p in (task / "children").read_text().split())
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except FileNotFoundError:  # a thread that ended after the listing has no children to report
+            continue
     return pids
 
 
