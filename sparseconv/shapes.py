@@ -674,9 +674,8 @@ DEPTHWISE_LARGE_THREADS, DEPTHWISE_LARGE_PIXELS = 128, 2
 # (7x7) 711 -> 48 / 23.4 -> 8.3; the direct family gave each block one
 # channel of one image (49-126 threads).
 MAX_DEPTHWISE_TAPS = 25
-# Depthwise groups a block (kernel_shape), where each has one output channel
-# and the block's loads a pixel (groups x taps) stay within
-# TAP_PREDICATE_MAX_LOADS: 4 for 3x3, 1 for 5x5. With one group a block each
+# Depthwise groups a block (kernel_shape), where each has one output channel:
+# the most up to 4 that divides the groups. With one group a block each
 # channel paid its pixels' index arithmetic and tap tests again, ~30 SASS
 # instructions an output for ~1 FMA; four groups share them. Session 43:
 # ptxas sm_90, MobileNetV2 features.1 3,952 -> 1,840 SASS instructions (70
@@ -686,7 +685,16 @@ MAX_DEPTHWISE_TAPS = 25
 # 79, features.11 40 -> 18, features.15 39 -> 15, MNASNet layers.3 158 ->
 # 59; batch 1: 3.0-6.8 -> 1.8-3.7 us. MobileNetV2 2,181 -> 1,662 us at
 # batch 64.
+# 5x5 takes 4 too, or else 1, at 1 pixel a thread and 2 blocks an SM: its 100
+# loads a pixel take a pointer a tap (over TAP_PREDICATE_MAX_LOADS; ptxas
+# gave the same code with tap tests), 124-140 registers (126 with 2 blocks).
+# Session 44 (H200, MNASNet's 5x5, split_probe --cold, against one group a
+# block, batch 64 / 1): layers.9.1.layers.3 (28x28) 56.1 -> 38.0 / 4.1 ->
+# 3.7 us, layers.10.1.layers.3 (14x14) 58.0 -> 49.3 / 5.0 -> 4.3,
+# layers.12.1.layers.3 (7x7) 52.0 -> 33.8 / 9.2 -> 6.8. At 2 groups a block
+# two of the three were slower than at 1 (71.2, 88.3, 65.2 us at batch 64).
 DEPTHWISE_GROUPS_A_BLOCK = 4
+DEPTHWISE_WIDE_MIN_BLOCKS = 2
 
 
 def is_depthwise(shape: ConvShape) -> bool:
@@ -696,22 +704,25 @@ def is_depthwise(shape: ConvShape) -> bool:
 
 
 def depthwise_groups_a_block(shape: ConvShape) -> int:
-    """See DEPTHWISE_GROUPS_A_BLOCK: the most that divides the groups.
+    """See DEPTHWISE_GROUPS_A_BLOCK: the most that divides the groups (5x5: 4 or 1).
     Unpadded layers (their taps take pointers, not tests; not measured) keep 1."""
     if shape.k_per_group != 1 or shape.padding == (0, 0):
         return 1
-    most = min(DEPTHWISE_GROUPS_A_BLOCK, TAP_PREDICATE_MAX_LOADS // (shape.kernel_h * shape.kernel_w))
-    return next(g for g in range(max(1, most), 0, -1) if shape.groups % g == 0)
+    g = next(g for g in range(DEPTHWISE_GROUPS_A_BLOCK, 0, -1) if shape.groups % g == 0)
+    wide = g * shape.kernel_h * shape.kernel_w > TAP_PREDICATE_MAX_LOADS  # a pointer a tap: 5x5, or over 9 taps
+    return 1 if wide and g < DEPTHWISE_GROUPS_A_BLOCK else g
 
 
 def depthwise_tiling(shape: ConvShape) -> Tiling:
     """See DEPTHWISE_THREADS and DEPTHWISE_GROUPS_A_BLOCK."""
     k_block = min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK)
-    if shape.out_h * shape.out_w >= SMALL_OUTPUT:
+    g = depthwise_groups_a_block(shape)
+    if g * shape.kernel_h * shape.kernel_w > TAP_PREDICATE_MAX_LOADS:  # 5x5 at 4 groups a block
+        t = pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS, DEPTHWISE_WIDE_MIN_BLOCKS)
+    elif shape.out_h * shape.out_w >= SMALL_OUTPUT:
         t = pointwise_tiling(shape, k_block, DEPTHWISE_LARGE_PIXELS, DEPTHWISE_LARGE_THREADS)
     else:
         t = pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS)
-    g = depthwise_groups_a_block(shape)
     return replace(t, k_block=g * k_block, c_block=g) if g > 1 else t
 
 

@@ -88,13 +88,22 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
         check_tiling(ConvShape(8, 8, 9, 9, 3, 3, padding=(1, 1), groups=8), Tiling(3, 3, 1, 64, 1, 1, 1, "pointwise"))
     dw = [s for _, s in mobilenet_v2() if s.groups > 1]
     assert len(dw) == 17 and all(default_tiling(s).family == "pointwise" for s in dw)
-    # 5x5 depthwise (MNASNet's, session 43) takes the same rule, with a tap test a tap; 7x7 stays direct
-    for shape, pixels in [(ConvShape(120, 120, 28, 28, 5, 5, padding=(2, 2), groups=120), 2),
-                          (ConvShape(480, 480, 14, 14, 5, 5, padding=(2, 2), groups=480), 1),
-                          (ConvShape(72, 72, 56, 56, 5, 5, (2, 2), (2, 2), groups=72), 2)]:
+    # 5x5 depthwise (MNASNet's, session 43) takes the pointwise family too: 4 groups a block at 1 pixel
+    # a thread and 2 blocks an SM, a pointer a tap (session 44), or where 4 does not divide the groups
+    # one group a block (2 measured slower), with a tap test a tap; 7x7 stays direct
+    for shape, groups_a_block, pixels, min_blocks in [
+            (ConvShape(120, 120, 28, 28, 5, 5, padding=(2, 2), groups=120), 4, 1, 2),
+            (ConvShape(480, 480, 14, 14, 5, 5, padding=(2, 2), groups=480), 4, 1, 2),
+            (ConvShape(72, 72, 56, 56, 5, 5, (2, 2), (2, 2), groups=72), 4, 1, 2),
+            (ConvShape(90, 90, 28, 28, 5, 5, padding=(2, 2), groups=90), 1, 2, 1),    # 2 divides, 4 does not
+            (ConvShape(6, 6, 14, 14, 5, 5, padding=(2, 2), groups=6), 1, 1, 1)]:
         assert shapes.is_depthwise(shape), shape.describe()
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.thread_w) == ("pointwise", 1, pixels) and shapes.tap_predicates(shape, t)
+        assert (t.family, t.k_block, t.c_block, t.thread_w, t.min_blocks) == \
+            ("pointwise", groups_a_block, groups_a_block, pixels, min_blocks), shape.describe()
+        assert shapes.tap_predicates(shape, t) == (groups_a_block == 1)
+        check_tiling(shape, t)
+    assert [default_tiling(s).c_block for _, s in mnasnet1_0() if s.kernel_h == 5] == [4] * 10
     assert [default_tiling(s).family for _, s in mnasnet1_0() if s.kernel_h == 5] == ["pointwise"] * 10
     shape = ConvShape(32, 32, 28, 28, 7, 7, padding=(3, 3), groups=32)
     assert not shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
@@ -580,7 +589,9 @@ def test_padded_taps_take_a_test_a_load_only_where_a_group_has_few_loads():
         assert shapes.tap_predicates(shape, t) == predicates, shape.describe()
         assert f"#define TAP_PREDICATES {int(predicates)}" in render(shape, t).source
     assert default_tiling(cases[4][0]).c_block == 4  # the VGG-16 case is what it says
-    dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: 25 loads (session 43)
+    dw5x5 = ConvShape(6, 6, 7, 7, 5, 5, padding=(2, 2), groups=6)  # one group a block: 25 loads (session 43)
     assert default_tiling(dw5x5).family == "pointwise" and shapes.tap_predicates(dw5x5, default_tiling(dw5x5))
+    dw5x5 = ConvShape(1152, 1152, 7, 7, 5, 5, padding=(2, 2), groups=1152)  # MNASNet's: 4 groups, 100 loads
+    assert default_tiling(dw5x5).family == "pointwise" and not shapes.tap_predicates(dw5x5, default_tiling(dw5x5))
     dw7x7 = ConvShape(96, 96, 14, 14, 7, 7, padding=(3, 3), groups=96)  # ConvNeXt's: the direct family stages it
     assert default_tiling(dw7x7).family == "direct" and not shapes.tap_predicates(dw7x7, default_tiling(dw7x7))

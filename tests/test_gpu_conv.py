@@ -63,6 +63,8 @@ ODD_LAYERS = {
     "depthwise_mult2_stride2": (8, 16, 15, 15, 5, 5, (2, 2), (2, 2), (1, 1), 8, None),
     # 5x5 depthwise at 2 pixels a thread (outputs of 28x28 and more), odd sizes, a tap test a tap
     "depthwise_5x5_two_pixels": (6, 6, 31, 29, 5, 5, (1, 1), (2, 2), (1, 1), 6, None),
+    # 5x5 depthwise at 4 groups a block, 2 blocks an SM, a pointer a tap (session 44), strided, odd sizes
+    "depthwise_5x5_4_groups_a_block": (12, 12, 23, 17, 5, 5, (2, 2), (2, 2), (1, 1), 12, None),
     "pointwise": (24, 40, 7, 9, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
     "kernel_7x1": (6, 10, 11, 6, 7, 1, (1, 1), (3, 0), (1, 1), 1, None),
     "k1_c1": (1, 1, 4, 4, 2, 2, (1, 1), (0, 0), (1, 1), 1, None),

@@ -38,6 +38,8 @@ LAYERS = {
                                          Tiling(4, 2, 1, 64, 1, 1, 1, "pointwise")),
     # 5x5 depthwise, stride 2 (MNASNet's), the default since session 43: pointwise, a tap test a tap
     "depthwise_5x5_s2": (ConvShape(3, 3, 9, 8, 5, 5, (2, 2), (2, 2), groups=3), None),
+    # and at 4 groups a block (session 44): a pointer a tap, padding taps read the zero buffer
+    "depthwise_5x5_4_groups_a_block": (ConvShape(8, 8, 7, 9, 5, 5, (1, 1), (2, 2), groups=8), None),
     # the pointwise family at 2 pixels a thread on a depthwise layer, and on a 4-group 3x3 (ResNeXt's
     # kind): the candidates docs/pending asks to time next
     "depthwise_2px": (ConvShape(6, 6, 9, 9, 3, 3, (1, 1), (1, 1), groups=6), Tiling(1, 1, 1, 64, 1, 2, 1, "pointwise")),
