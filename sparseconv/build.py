@@ -20,7 +20,7 @@ from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
 from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, max_batch_per_launch,
-                     dynamic_shared_bytes, n_chunks, n_kblocks)
+                     dynamic_shared_bytes, kernel_shape, n_chunks, n_kblocks)
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key
@@ -181,6 +181,9 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),
                                     target=target.arch, artifact_bytes=len(artifact), artifact_key=akey,
                                     template_key=tkey, kernel_key=kkey)
+    merged = kernel_shape(shape, tiling)
+    if merged != shape:  # the tiling's c_block reads as groups here, not input channels (shapes.kernel_shape)
+        stats["depthwise_groups_a_block"] = shape.groups // merged.groups
     cache.put_text("kernel", ptx_sha, ".ptx", ptx)
     if use_ptxas:
         cache.put("kernel", akey, ".cubin", artifact)

@@ -160,7 +160,9 @@ def layer(weight_file: Path, input_size: str, stride: str, padding: str, dilatio
     s = stats
     secs = s["seconds"]
     click.echo(f"{name}: {shape.describe()}")
-    click.echo(f"  tiling {s['tiling']}, target {s['target']}")
+    groups = s.get("depthwise_groups_a_block")
+    click.echo(f"  tiling {s['tiling']}" + (f", {groups} depthwise groups a block" if groups else "")
+               + f", target {s['target']}")
     click.echo(f"  weights {s['weights']}, nonzero {s['nonzero_weights']} "
                f"({100 * (1 - s['nonzero_weights'] / s['weights']):.1f}% sparse)")
     click.echo(f"  FMAs kept {s['fmas_kept']}, deleted {s['fmas_deleted']}; PTX lines {s['ptx_lines']}; "

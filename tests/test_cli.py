@@ -57,6 +57,27 @@ def test_layer_counts_a_split_modules_ptxas_functions(tmp_path):
     assert quiet.exit_code == 0 and quiet.stderr == ""
 
 
+@pytest.mark.nvcc
+def test_layer_says_how_many_depthwise_groups_a_block(tmp_path):
+    """A depthwise layer's default builds four groups into a block
+    (shapes.kernel_shape): its tiling's c_block of 4 is groups there, not
+    input channels, and the report says so; a plain conv's does not."""
+    path = tmp_path / "dw.npy"
+    np.save(path, pruned_weight(np.random.default_rng(2), (8, 1, 3, 3), 0.5))
+    args = ["layer", str(path), "--input-size", "7", "--padding", "1", "--groups", "8", "--cache-dir",
+            str(tmp_path / "cache")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert "k_block=4 c_block=4" in r.output and ", 4 depthwise groups a block, target" in r.output
+    stats = json.loads(CliRunner().invoke(main, args + ["--json"]).output)
+    assert stats["depthwise_groups_a_block"] == 4
+    plain = tmp_path / "plain.npy"
+    np.save(plain, pruned_weight(np.random.default_rng(3), (8, 4, 3, 3), 0.5))
+    r = CliRunner().invoke(main, ["layer", str(plain), "--input-size", "7", "--padding", "1", "--cache-dir",
+                                  str(tmp_path / "cache"), "--json"])
+    assert r.exit_code == 0 and "depthwise_groups_a_block" not in json.loads(r.output)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--input-size", "abc"], "--input-size"),
     (["--input-size", "2"], "output would be empty"),
