@@ -709,15 +709,21 @@ def depthwise_groups_a_block(shape: ConvShape) -> int:
     if shape.k_per_group != 1 or shape.padding == (0, 0):
         return 1
     g = next(g for g in range(DEPTHWISE_GROUPS_A_BLOCK, 0, -1) if shape.groups % g == 0)
-    wide = g * shape.kernel_h * shape.kernel_w > TAP_PREDICATE_MAX_LOADS  # a pointer a tap: 5x5, or over 9 taps
-    return 1 if wide and g < DEPTHWISE_GROUPS_A_BLOCK else g
+    return 1 if pointer_a_tap(shape, g) and g < DEPTHWISE_GROUPS_A_BLOCK else g
+
+
+def pointer_a_tap(shape: ConvShape, groups_a_block: int) -> bool:
+    """Do that many depthwise groups a block load a pixel's taps through a
+    pointer each, over TAP_PREDICATE_MAX_LOADS (5x5, or any kernel over 9
+    taps, at 4 groups)?"""
+    return groups_a_block * shape.kernel_h * shape.kernel_w > TAP_PREDICATE_MAX_LOADS
 
 
 def depthwise_tiling(shape: ConvShape) -> Tiling:
     """See DEPTHWISE_THREADS and DEPTHWISE_GROUPS_A_BLOCK."""
     k_block = min(shape.k_per_group, DEPTHWISE_MAX_K_BLOCK)
     g = depthwise_groups_a_block(shape)
-    if g * shape.kernel_h * shape.kernel_w > TAP_PREDICATE_MAX_LOADS:  # 5x5 at 4 groups a block
+    if pointer_a_tap(shape, g):  # only at 4 groups a block: 1 pixel a thread, 2 blocks an SM
         t = pointwise_tiling(shape, k_block, 1, DEPTHWISE_THREADS, DEPTHWISE_WIDE_MIN_BLOCKS)
     elif shape.out_h * shape.out_w >= SMALL_OUTPUT:
         t = pointwise_tiling(shape, k_block, DEPTHWISE_LARGE_PIXELS, DEPTHWISE_LARGE_THREADS)
