@@ -570,6 +570,17 @@ STRIDED_CAPPED_MIN_CHANNELS = 512
 WIDENING_MIN_CHANNELS = 128
 
 
+# The batch at which a 7x7 1x1 conv's 32-channel blocks are counted: under
+# half a wave of them there (ONE_WAVE), it takes 16-channel blocks, twice as
+# many. Session 44 (H200, split_probe --cold, batch 64): MNASNet
+# layers.12.1.layers.6 (1152 -> 192, 54 blocks) 42.8 -> 29.2 us,
+# layers.12.0.layers.6 (576 -> 192) 24.4 -> 16.5, MobileNetV2
+# features.15.conv.2 (960 -> 160, 40 blocks) 38.0 -> 23.9; with 70+ blocks
+# slower (features.17.conv.2 40.3 -> 41.9, ResNet-50 layer4.1.conv1 80.6 ->
+# 102.6).
+SMALL_GRID_BATCH = 64
+
+
 def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     """The pointwise family's default, from two sweeps on the H100
     (bench/family_sweep.py, ResNet-50's 15 distinct 1x1 layers at batch 64,
@@ -600,7 +611,10 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     elif shape.k_per_group > c >= WIDENING_MIN_CHANNELS:
         return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)
     elif 1 < pixels < MANY_THREADS_MIN_OUTPUT:
-        return pointwise_tiling(shape, 32, 1, 512)
+        t = pointwise_tiling(shape, 32, 1, 512)
+        if pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) < ONE_WAVE // 2:
+            return pointwise_tiling(shape, 16, 1, 512)  # see SMALL_GRID_BATCH
+        return t
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
 
 

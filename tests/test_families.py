@@ -595,3 +595,16 @@ def test_padded_taps_take_a_test_a_load_only_where_a_group_has_few_loads():
     assert default_tiling(dw5x5).family == "pointwise" and not shapes.tap_predicates(dw5x5, default_tiling(dw5x5))
     dw7x7 = ConvShape(96, 96, 14, 14, 7, 7, padding=(3, 3), groups=96)  # ConvNeXt's: the direct family stages it
     assert default_tiling(dw7x7).family == "direct" and not shapes.tap_predicates(dw7x7, default_tiling(dw7x7))
+
+
+def test_7x7_pointwise_convs_of_under_half_a_wave_take_16_channel_blocks():
+    """shapes.SMALL_GRID_BATCH: a 7x7 1x1 conv whose 32-channel blocks are
+    under half a wave at batch 64 takes 16-channel blocks (session 44's
+    probe); with more blocks it keeps 32 (those were slower at 16)."""
+    layers = dict(mnasnet1_0()) | {f"v2:{n}": s for n, s in mobilenet_v2()} | {f"r50:{n}": s for n, s in resnet50()}
+    for name in ["layers.12.0.layers.6", "layers.12.1.layers.6", "v2:features.14.conv.2", "v2:features.16.conv.2"]:
+        t = default_tiling(layers[name])
+        assert (t.k_block, t.threads) == (16, 512), name
+        assert launch_grid(layers[name], t, 64)[1] == layers[name].out_channels // 16
+    for name in ["v2:features.17.conv.2", "r50:layer4.1.conv1", "r50:layer4.0.conv3"]:
+        assert default_tiling(layers[name]).k_block == 32, name
