@@ -16,7 +16,7 @@ import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
 from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels,
-                     patch_size, stage_steps, tap_predicates)
+                     patch_size, residual_after_loop, stage_steps, tap_predicates)
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
 ENTRY_NAME = "sc_conv2d"
@@ -58,9 +58,11 @@ def f32_literal(value: float) -> str:
 
 def epilogue_code(epilogue: Epilogue, indent: str = " " * 12) -> str:
     """CUDA C applied to each output `v` before the store: the activation as a
-    clamp. `v` already holds conv + bias + residual: the templates start each
-    sum with bias + residual (HAS_RESIDUAL), so the residual's loads are all
-    in flight before the chunk loop instead of one at a time at the store.
+    clamp. `v` already holds conv + bias + residual (HAS_RESIDUAL): the
+    templates start each sum with bias + residual, or add the residual after
+    the chunk loop, its loads all before the first store
+    (shapes.residual_after_loop), so that they are in flight together instead
+    of one at a time at the store.
     A NaN stays NaN, as in torch (comparisons with NaN are false)."""
     lines = []
     lo, hi = epilogue.bounds
@@ -124,7 +126,8 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
             ROW_W=(tiling.thread_w - 1) * shape.stride[1] + (shape.kernel_w - 1) * shape.dilation[1] + 1)
     else:
         family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
-                           TAP_PREDICATES=int(tap_predicates(shape, tiling)), R=shape.kernel_h, S=shape.kernel_w)
+                           TAP_PREDICATES=int(tap_predicates(shape, tiling)), R=shape.kernel_h, S=shape.kernel_w,
+                           RESIDUAL_AFTER_LOOP=int(residual_after_loop(shape, tiling)))
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),

@@ -461,6 +461,32 @@ def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
             and shape.c_per_group * shape.kernel_h * shape.kernel_w <= TAP_PREDICATE_MAX_LOADS)
 
 
+# Where a pointwise-family block adds the residual (an epilogue with an add):
+# to start each sum (before the chunk loop), or after the loop, all its loads
+# issued before the first store. Before the loop it made ptxas -O3 issue the
+# chunk's loads ~22 instructions ahead of their use instead of ~250 where one
+# block holds a group's every output channel (MNASNet layers.10.1.layers.6,
+# 480 -> 80 at 14x14). Session 45 (H200, split_probe --cold, batch 64,
+# add+relu, the two places in alternating runs): MNASNet layers.10.1.layers.6
+# 52.9 -> 16.9 us, layers.11.1.layers.6 (k_block 96) 34.5 -> 31.5; where
+# blocks hold 32 or 64 of many channels after the loop lost 20-45% (ResNet-50
+# layer1-4 conv3: spills, more instructions), and features.15.conv.2 of
+# MobileNetV2 (32 of 160) was within 1 us. So: after the loop only for 1x1
+# convs without groups (what was measured), at -O3 (-O1 keeps the loads'
+# order anyway), where one k-block holds every output channel, at most
+# RESIDUAL_AFTER_LOOP_MAX_OUTPUTS sums a thread (k_block 96 took 255
+# registers).
+RESIDUAL_AFTER_LOOP_MAX_OUTPUTS = 96
+
+
+def residual_after_loop(shape: ConvShape, tiling: Tiling) -> bool:
+    """Does this tiling add a residual after its chunk loop? See RESIDUAL_AFTER_LOOP_MAX_OUTPUTS."""
+    shape = kernel_shape(shape, tiling)
+    return (tiling.family == "pointwise" and tiling.slices == 1 and tiling.ptxas_level == 3
+            and (shape.kernel_h, shape.kernel_w, shape.groups) == (1, 1, 1) and tiling.k_block >= shape.out_channels
+            and tiling.k_block * tiling.thread_w <= RESIDUAL_AFTER_LOOP_MAX_OUTPUTS)
+
+
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     """Raise ValueError when a tiling cannot serve this layer."""
     shape = kernel_shape(shape, tiling)

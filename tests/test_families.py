@@ -608,3 +608,20 @@ def test_7x7_pointwise_convs_of_under_half_a_wave_take_16_channel_blocks():
         assert launch_grid(layers[name], t, 64)[1] == layers[name].out_channels // 16
     for name in ["v2:features.17.conv.2", "r50:layer4.1.conv1", "r50:layer4.0.conv3"]:
         assert default_tiling(layers[name]).k_block == 32, name
+
+
+def test_the_residual_goes_after_the_chunk_loop_only_where_one_block_holds_every_channel_at_O3():
+    """shapes.residual_after_loop: session 45's probe had MNASNet's 480 -> 80
+    and 576 -> 96 projections faster with the residual added after the loop,
+    and ResNet-50's conv3 layers (blocks of 32 or 64 of 256-2048 channels)
+    20-45% slower; -O1 tilings keep their loads' order either way."""
+    mnas, v2, r50 = dict(mnasnet1_0()), dict(mobilenet_v2()), dict(resnet50())
+    takes = [mnas["layers.10.1.layers.6"], mnas["layers.10.2.layers.6"], mnas["layers.11.1.layers.6"],
+             v2["features.12.conv.2"], v2["features.13.conv.2"]]
+    keeps = [r50[f"layer{i}.1.conv3"] for i in range(1, 5)] + [
+        v2["features.15.conv.2"],  # 32-channel blocks of 160
+        v2["features.5.conv.2"], mnas["layers.9.1.layers.6"]]  # one block of all channels, at -O1
+    assert all(shapes.residual_after_loop(s, default_tiling(s)) for s in takes)
+    assert not any(shapes.residual_after_loop(s, default_tiling(s)) for s in keeps)
+    s = mnas["layers.10.1.layers.6"]
+    assert not shapes.residual_after_loop(s, replace(default_tiling(s), slices=2))  # the reduce kernel adds it

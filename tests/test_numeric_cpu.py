@@ -13,7 +13,7 @@ from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
 from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, dynamic_shared_bytes,
-                               image_layer_blocks, launch_grid, n_chunks)
+                               image_layer_blocks, launch_grid, n_chunks, residual_after_loop)
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -211,6 +211,12 @@ FAMILY_LAYERS = {
     "pw_residual_relu": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(8, 3, 1, 32), Epilogue("relu", residual=True)),
     "pw_split_residual_relu6": (ConvShape(12, 8, 3, 3, 1, 1), _pointwise(8, 2, 1, 32, 3),
                                 Epilogue("relu6", residual=True)),
+    # one k-block holds every output channel: the residual is added after the
+    # chunk loop (shapes.residual_after_loop); two pixels a thread, and a
+    # stride with a padded last chunk (5 channels in chunks of 2)
+    "pw_residual_after_loop": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(12, 3, 2, 32), Epilogue("relu", residual=True)),
+    "pw_stride2_residual_after_loop": (ConvShape(5, 7, 7, 6, 1, 1, (2, 2)), _pointwise(7, 2, 1, 32),
+                                       Epilogue("relu6", residual=True)),
     # 5 chunks over 4 slices of 2: the last slice lies wholly past the channels
     # (all its weights zero, its loads clamped in bounds): it adds zeros
     "pw_empty_last_slice": (ConvShape(5, 4, 3, 3, 1, 1), _pointwise(4, 1, 1, 32, 4), Epilogue()),
@@ -276,6 +282,12 @@ def family_template(name):
     shape, tiling, epilogue = FAMILY_LAYERS[name]
     r = render(shape, tiling, epilogue)
     return r, compile_to_ptx(r.source, Target(), name)
+
+
+def test_two_family_layers_add_the_residual_after_the_chunk_loop():
+    for name in ["pw_residual_after_loop", "pw_stride2_residual_after_loop"]:
+        shape, tiling, epilogue = FAMILY_LAYERS[name]
+        assert epilogue.residual and residual_after_loop(shape, tiling), name
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_LAYERS))
