@@ -46,7 +46,7 @@ from sparseconv.benchmark.clocks import ClockWatch
 from sparseconv.benchmark.network import time_forward_us
 from sparseconv.fx import FusedConv2d, _KernelNode
 from sparseconv.torch import CudaGraphModule, sparsify
-from sparseconv.zoo_torch import build_network
+from sparseconv.zoo_torch import NETWORKS, build_network
 
 
 def category(name: str) -> str:
@@ -226,7 +226,7 @@ def routed_sum_us(plan: List[str], batch: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("network", choices=["resnet50", "vgg16"])
+    ap.add_argument("network", choices=list(NETWORKS))
     ap.add_argument("--batch", type=int, action="append", default=[])
     ap.add_argument("--out", default=None)
     ap.add_argument("--per-layer", action="store_true",
