@@ -469,7 +469,7 @@ def tap_predicates(shape: ConvShape, tiling: Tiling) -> bool:
 # 480 -> 80 at 14x14). Session 45 (H200, split_probe --cold, batch 64,
 # add+relu, the two places in alternating runs): MNASNet layers.10.1.layers.6
 # 52.9 -> 16.9 us, layers.11.1.layers.6 (k_block 96) 34.5 -> 31.5; where
-# blocks hold 32 or 64 of many channels after the loop lost 20-45% (ResNet-50
+# blocks hold 32 or 64 of many channels after the loop lost 17-44% (ResNet-50
 # layer1-4 conv3: spills, more instructions), and features.15.conv.2 of
 # MobileNetV2 (32 of 160) was within 1 us. So: after the loop only for 1x1
 # convs without groups (what was measured), at -O3 (-O1 keeps the loads'
@@ -603,7 +603,8 @@ WIDENING_MIN_CHANNELS = 128
 # layers.12.0.layers.6 (576 -> 192) 24.4 -> 16.5, MobileNetV2
 # features.15.conv.2 (960 -> 160, 40 blocks) 38.0 -> 23.9; with 70+ blocks
 # slower (features.17.conv.2 40.3 -> 41.9, ResNet-50 layer4.1.conv1 80.6 ->
-# 102.6).
+# 102.6). Session 45, alternating trees, bench --network at batch 64:
+# MNASNet 1,698 -> 1,650 us, MobileNetV2 1,640 -> 1,598.
 SMALL_GRID_BATCH = 64
 
 
