@@ -481,10 +481,9 @@ RESIDUAL_AFTER_LOOP_MAX_OUTPUTS = 96
 
 def residual_after_loop(shape: ConvShape, tiling: Tiling) -> bool:
     """Does this tiling add a residual after its chunk loop? See RESIDUAL_AFTER_LOOP_MAX_OUTPUTS."""
-    shape = kernel_shape(shape, tiling)
-    return (tiling.family == "pointwise" and tiling.slices == 1 and tiling.ptxas_level == 3
-            and (shape.kernel_h, shape.kernel_w, shape.groups) == (1, 1, 1) and tiling.k_block >= shape.out_channels
-            and tiling.k_block * tiling.thread_w <= RESIDUAL_AFTER_LOOP_MAX_OUTPUTS)
+    # one k-block in all: no groups, no split, k_block covering every output channel
+    return (tiling.family == "pointwise" and tiling.ptxas_level == 3 and (shape.kernel_h, shape.kernel_w) == (1, 1)
+            and n_kblocks(shape, tiling) == 1 and tiling.k_block * tiling.thread_w <= RESIDUAL_AFTER_LOOP_MAX_OUTPUTS)
 
 
 def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
