@@ -90,3 +90,24 @@ def test_an_onnx_file_runs_through_the_network_bench(session_cache_dir):
     for t in report.timings:
         assert t.us > 0 and t.rel_l2 <= 1e-5 and t.top1 == 1.0, t
     assert "| lenet_digits_pruned.onnx, 16 |" in format_table([report])
+
+
+def test_queued_timing_leaves_out_the_hosts_submit_time():
+    """time_forward_us(queue_ahead_us=...) times the GPU's work only: a call
+    whose host part takes 2 ms before it launches ~0.05 ms of GPU work
+    measures >= 2 ms from an idle GPU, and well under that queued behind a
+    5 ms wait (the network bench's method since session 46)."""
+    import time
+
+    from sparseconv.benchmark.network import time_forward_us
+
+    x = torch.randn(1 << 16, device="cuda")
+
+    def slow_host_call(t):
+        time.sleep(0.002)   # host work before the launch: Python, a busy host
+        return t * 2.0 + 1.0
+
+    plain = time_forward_us(slow_host_call, x, repeat=5)
+    queued = time_forward_us(slow_host_call, x, repeat=5, queue_ahead_us=5000.0)
+    assert plain >= 2000.0
+    assert 0.0 < queued < 1000.0, (plain, queued)

@@ -5,6 +5,10 @@ in strict fp32 and in TF32, same weights, same inputs, in one run.
 Every variant is timed the same way: wrapped in sparseconv.torch.CudaGraphModule
 (one CUDA graph per input shape), so a timed call is copy input in + graph
 replay + clone of the output, measured with CUDA events, median of `repeat`.
+Each call is queued behind a short GPU wait before its start event, so the
+figure is the GPU's time for a forward, as a stream of calls sees it, and not
+the host's submit time, which other processes on the host move
+(QUEUE_AHEAD_US).
 Exactness: relative L2 and top-1 agreement of each variant's output against
 the float64 evaluation of the ORIGINAL network (BN unfolded).
 
@@ -96,16 +100,42 @@ def precision(tf32: bool) -> Iterator[None]:
             flags[0].allow_tf32, flags[1].allow_tf32 = saved
 
 
-def time_forward_us(fn: Callable[[Any], Any], x: Any, *, warmup: int = 3, repeat: int = 30) -> float:
-    """Median CUDA-event time of one call fn(x), in µs."""
+# A GPU wait this long is queued before each timed call of the network bench,
+# so the host has submitted the call's work (~23 µs for a CUDA-graph call at
+# batch 1, 29-45 with every core busy) before the start event fires. Without
+# it MNASNet at batch 1 measured 151-160 µs in three processes on an idle
+# host and 154-159 in one with every core busy; with it 140.5-141.3 in one
+# process idle or busy, and 142.6-143.9 in four processes while the other
+# GPU's bench built and compiled (bench/host_load_probe.py;
+# docs/PERFORMANCE.md, session 46).
+QUEUE_AHEAD_US = 200.0
+
+
+def _sm_clock_khz(device: int) -> int:
+    """The SM's top clock, which torch.cuda._sleep counts its cycles in."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["clockRate"])
+
+
+def time_forward_us(fn: Callable[[Any], Any], x: Any, *, warmup: int = 3, repeat: int = 30,
+                    queue_ahead_us: float = 0.0) -> float:
+    """Median CUDA-event time of one call fn(x), in µs. queue_ahead_us > 0
+    keeps the GPU busy that long before each start event, so the call's work
+    is queued when the clock starts: the GPU's time, not the host's submit
+    time (QUEUE_AHEAD_US). 0: from an idle GPU, the host's time included (a
+    caller that waits for each result, as an eager forward is timed)."""
     import torch
 
     for _ in range(warmup):
         fn(x)
     torch.cuda.synchronize()
+    wait_cycles = int(queue_ahead_us * _sm_clock_khz(torch.cuda.current_device()) / 1e3) if queue_ahead_us > 0 else 0
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if wait_cycles:
+            torch.cuda._sleep(wait_cycles)  # a spin on the GPU; the wait is before the start event
         start.record()
         fn(x)
         end.record()
@@ -308,7 +338,7 @@ def _run(network: Union[str, Path, Any, LoadedNetwork], batches: Sequence[int], 
                     say(f"batch {b}")
                     y = model(inputs[b])
                     rel, top1 = exactness(y, refs[b])
-                    us = time_forward_us(model, inputs[b], repeat=repeat)
+                    us = time_forward_us(model, inputs[b], repeat=repeat, queue_ahead_us=QUEUE_AHEAD_US)
                     clocks.sample()
                     report.timings.append(NetworkTiming(name, b, variant, us, rel, top1))
                 except Exception as exc:  # noqa: BLE001
