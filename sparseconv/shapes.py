@@ -593,6 +593,21 @@ def narrow_pointwise_level(shape: ConvShape) -> int:
 # faster under the old rule.
 STRIDED_CAPPED_MIN_CHANNELS = 512
 WIDENING_MIN_CHANNELS = 128
+# Input channels from which an unstrided 1x1 conv that does not widen, with
+# 14x14 outputs or more, takes blocks of 256 threads capped to 2 an SM, 32
+# output channels where it has under twice this many inputs, else 64.
+# Before, 64 channels x 512 threads, one block an SM (chosen on the H100 in
+# session 13). Cold at batch 64 on the H200 (bench/split_probe.py --cold
+# --epilogue relu, seeds 0 and 1, session 46, run zz), µs, before -> after:
+# ResNet-50 layer3.0.conv1 (512 -> 256, 28x28) 167-171 -> 127-129, the same
+# shape as ResNeXt-50's layer2.x.conv1; ResNeXt-50 layer3.0.conv1 (512 ->
+# 512, 28x28) 281-285 -> 217-218, layer4.0.conv1 (1024 -> 1024, 14x14) 271-274
+# -> 216-220, layer3.1.conv1 (1024 -> 512, 14x14, as ResNet-50's
+# layer4.0.conv1) 143-144 -> 141-142; ResNet-50 layer3.1.conv1 (1024 -> 256)
+# 73-74 -> 72. 32 channels on the 1024-input layers: -9% on ResNeXt's
+# layer3.1.conv1 and layer4.0.conv1, +16% on ResNet-50's layer3.1.conv1.
+# ResNeXt-50 at batch 64, alternating trees: 7,168 -> 6,928 us a forward.
+DEEP_POINTWISE_MIN_CHANNELS = 512
 
 
 # The batch at which a 7x7 1x1 conv's 32-channel blocks are counted: under
@@ -617,7 +632,9 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     of a deep layer's block is long straight-line code, and the more warps walk
     it together, the less each waits on instruction fetch (512 threads: 2.2x
     faster than 128 on layer3's 1024->256). Within 1.2x of the best of six
-    candidates on every layer.
+    candidates on every layer. From DEEP_POINTWISE_MIN_CHANNELS inputs on
+    14x14 images or larger, the same 512 threads an SM come as two capped
+    blocks of 256 (see there); a Linear layer's one pixel keeps 512.
 
     Three exceptions, chosen on cold times (session 13): strided layers with
     STRIDED_CAPPED_MIN_CHANNELS+ inputs and unstrided widening layers with
@@ -641,6 +658,8 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
         if pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) < ONE_WAVE // 2:
             return pointwise_tiling(shape, 16, 1, 512)  # see SMALL_GRID_BATCH
         return t
+    if c >= DEEP_POINTWISE_MIN_CHANNELS and pixels >= MANY_THREADS_MIN_OUTPUT:  # see there
+        return pointwise_tiling(shape, 64 if c >= 2 * DEEP_POINTWISE_MIN_CHANNELS else 32, 1, 256, min_blocks=2)
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
 
 

@@ -27,8 +27,10 @@ from sparseconv.zoo import mnasnet1_0, mobilenet_v2, resnet50, resnext50, vgg16
 def test_1x1_convs_get_the_pointwise_family_by_depth():
     shallow = default_tiling(ConvShape(64, 256, 56, 56, 1, 1))
     assert (shallow.family, shallow.k_block, shallow.threads) == ("pointwise", 64, 128)
-    assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).threads == 512
-    assert default_tiling(ConvShape(1024, 256, 14, 14, 1, 1)).threads == 512
+    # 512 threads an SM either way: one block below 512 inputs, two capped blocks of 256 from there
+    assert default_tiling(ConvShape(256, 256, 56, 56, 1, 1)).threads == 256
+    assert default_tiling(ConvShape(512, 256, 28, 28, 1, 1)).threads * 2 == 512
+    assert default_tiling(ConvShape(1024, 256, 14, 14, 1, 1)).threads * 2 == 512
     assert default_tiling(ConvShape(256, 512, 56, 56, 1, 1, (2, 2))).threads == 256
     narrow = default_tiling(ConvShape(512, 128, 28, 28, 1, 1))  # one block of 128 covers K: x read once
     assert (narrow.k_block, narrow.threads) == (128, 128)
@@ -43,9 +45,14 @@ def test_1x1_exceptions_chosen_on_cold_times():
             ConvShape(512, 2048, 7, 7, 1, 1): (32, 128, 4),               # layer4.x.conv3
             ConvShape(64, 256, 56, 56, 1, 1): (64, 128, 1),               # layer1.x.conv3: old rule
             ConvShape(512, 1024, 28, 28, 1, 1, (2, 2)): (64, 256, 2),     # layer3.0.downsample
+            ConvShape(512, 256, 28, 28, 1, 1): (32, 256, 2),              # layer3.0.conv1 (DEEP_POINTWISE_...)
+            ConvShape(1024, 1024, 14, 14, 1, 1): (64, 256, 2),            # ResNeXt-50 layer4.0.conv1
+            ConvShape(1024, 256, 14, 14, 1, 1): (64, 256, 2),             # layer3.x.conv1
+            ConvShape(256, 128, 56, 56, 1, 1): (128, 128, 1),             # layer2.0.conv1: one block covers K
+            ConvShape(256, 256, 56, 56, 1, 1): (64, 256, 1),              # ResNeXt-50 layer2.0.conv1: below
             ConvShape(1024, 2048, 14, 14, 1, 1, (2, 2)): (64, 256, 2),    # layer4.0.downsample
             ConvShape(2048, 512, 7, 7, 1, 1): (32, 512, 1),               # layer4.x.conv1
-            ConvShape(1024, 512, 14, 14, 1, 1): (64, 512, 1)}             # layer4.0.conv1: old rule
+            ConvShape(1024, 512, 14, 14, 1, 1): (64, 256, 2)}             # layer4.0.conv1
     for shape, want in rows.items():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise",) + want, shape.describe()
