@@ -3,10 +3,9 @@
 
 `time_forward_us` without queue_ahead_us records its start event on an idle
 GPU, then the host submits the forward (input copy, graph replay, output
-clone). Whatever the
-host takes to submit the head of that work is in the figure, so a host busy
-with other processes (the other GPU's builds, torch.compile) would show as a
-slower forward. This probe times one sparsified network in one process, two
+clone). Whatever the host takes to submit the head of that work is in the
+figure, so a host busy with other processes (the other GPU's builds,
+torch.compile) would show as a slower forward. This probe times one sparsified network in one process, two
 ways, alternating, first with the host idle, then with a busy loop on every
 core, then idle again:
   - "event": time_forward_us as `bench --network` called it up to session 45;
