@@ -3,6 +3,9 @@ ResNeXt-50 32x4d, MobileNetV2, MNASNet 1.0): cold, then warm.
 
     python bench/compile_model.py vgg16 [--sparsity 0.9] [--jobs N] [--load] [--json out.json]
 
+It builds what sparsify builds with its weight table on (no split code for
+layers whose small batches the table runs, shapes.code_variants);
+--all-variants builds every variant, as `sparseconv compile` does.
 Cold = an empty cache; warm = the same build again (every layer a cache hit),
 and with --load (needs a GPU) every kernel loaded and ready to call. Prints a
 Markdown table per layer and the totals."""
@@ -20,7 +23,7 @@ import click
 from sparseconv.benchmark.output import write_atomically
 from sparseconv.cli_options import check_output_file
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import ANY_BATCH, batch_variants, default_tiling
+from sparseconv.shapes import ANY_BATCH, code_variants, default_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.zoo import MODELS, pruned_model
 
@@ -34,6 +37,9 @@ def main() -> None:
     p.add_argument("--check", action="store_true",
                    help="run every layer once on the GPU against the float64 reference (implies --load)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--all-variants", action="store_true",
+                   help="also the split code of layers whose small batches the weight table runs in sparsify "
+                        "(shapes.table_runs_small_batches), as `sparseconv compile` builds")
     a = p.parse_args()
     if not 0 <= a.sparsity < 1:
         p.error(f"--sparsity must lie in [0, 1), got {a.sparsity}")
@@ -44,10 +50,12 @@ def main() -> None:
     except click.BadParameter as exc:
         p.error(f"--json: {exc.message}")
     a.load = a.load or a.check
-    # Every batch variant of every layer, as compile_layers / sparsify build them.
+    # Every batch variant of every layer, as sparsify builds them with its weight table on (the default: no
+    # split code where the table runs small batches, shapes.code_variants), or with --all-variants every one,
+    # as compile_layers and `sparseconv compile` do.
     jobs = [LayerJob(n if up_to == ANY_BATCH else f"{n}#split", w, s, t)
             for n, s, w in pruned_model(a.model, a.sparsity)
-            for up_to, t in batch_variants(s, default_tiling(s))]
+            for up_to, t in code_variants(s, default_tiling(s), table_at_small_batches=not a.all_variants)]
     cache = tempfile.mkdtemp(prefix=f"sparseconv-{a.model}-")
     t = time.perf_counter()
     cold = build_many(jobs, cache_dir=cache, workers=a.jobs)
@@ -66,7 +74,8 @@ def main() -> None:
     if missed:  # seen once (session 42, MNASNet 1.0) and not again in two reruns: say which, to find out why
         sys.exit(f"the warm build missed the cache for {len(missed)} of {len(jobs)} layers: {', '.join(missed)} "
                  f"(cache {cache})")
-    print(f"# {a.model}, {len(jobs)} conv layers, sparsity {a.sparsity}, {time.strftime('%Y-%m-%d')}, "
+    print(f"# {a.model}, {len(jobs)} builds ({'every variant' if a.all_variants else 'as sparsify builds'}), "
+          f"sparsity {a.sparsity}, {time.strftime('%Y-%m-%d')}, "
           f"{platform.node()} ({os.cpu_count()} cores)\n")
     print("| layer | shape | nvcc s | specialise s | ptxas+nvlink s | wall s | nonzero | FMAs deleted | "
           "functions (k-blocks) | PTX lines | pass lines/s | cubin bytes |")

@@ -19,8 +19,8 @@ from .limits import check_layer
 from .parallel import LayerJob, build_many
 from .progress import StepLine, ptxas_counter
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
-from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, default_tiling,
-                     pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
+from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, code_variants,
+                     default_tiling, pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
 from .tune import DENSE, tune_conv2d
 
 
@@ -263,7 +263,8 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
                    cache_dir: Optional[str] = None, jobs: Optional[int] = None,
                    progress: bool = True,
                    epilogues: Optional[Dict[str, Epilogue]] = None,
-                   linears: Collection[str] = ()) -> Dict[str, Union[Conv2dKernel, LinearKernel]]:
+                   linears: Collection[str] = (),
+                   table_layers: Collection[str] = ()) -> Dict[str, Union[Conv2dKernel, LinearKernel]]:
     """Compile and load many (name, weight, bias, shape) layers on the current
     GPU; name -> kernel. Without tuning they build in parallel (a process pool),
     every batch variant of every layer (shapes.batch_variants); with
@@ -273,7 +274,10 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
     `epilogues`: name -> the epilogue fused into that layer (default: bias
     only). `linears`: the names
     of fully connected layers (weight (out, in) or (out, in, 1, 1), shape
-    linear_shape(in, out)): built with linear_variants, returned as LinearKernel."""
+    linear_shape(in, out)): built with linear_variants, returned as LinearKernel.
+    `table_layers`: the names of convs whose small batches the caller will
+    time through the weight table; those that shapes.table_runs_small_batches
+    takes are built without their small-batch variant (shapes.code_variants)."""
     epilogues = epilogues or {}
     kernels: Dict[str, Union[Conv2dKernel, LinearKernel]] = {}
     for name, w, _, shape in layers:
@@ -300,7 +304,9 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
         return kernels
 
     def variants(name: str, shape: ConvShape) -> List[Tuple[int, Tiling]]:
-        return linear_variants(shape) if name in linears else batch_variants(shape, default_tiling(shape))
+        if name in linears:
+            return linear_variants(shape)
+        return code_variants(shape, default_tiling(shape), table_at_small_batches=name in table_layers)
 
     # Every variant of every layer in one pool; the any-batch variant keeps the layer's name.
     jobs_by_layer = {name: [(up_to, LayerJob(name if up_to == ANY_BATCH else f"{name}#split",

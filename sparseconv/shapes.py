@@ -1277,6 +1277,38 @@ def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]
     return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
 
 
+# Convs larger than 1x1, in one group, with TABLE_SMALL_BATCH_MIN_CHANNELS+
+# input channels and outputs of TABLE_SMALL_BATCH_MAX_OUTPUT pixels or fewer
+# (VGG-16's conv5_x, ResNet-50's layer4.x.conv2). At batch 1 the weight table
+# (sparseconv.table) beat their split code in every network run since session
+# 22; in session 46 (H200, routing's cold times, runs zx and zy) conv5_x 26.7-
+# 27.0 us against 31.4-31.6, layer4.x.conv2 9.6-12.8 against 23.9-24.1. So
+# where the table is timed for small batches (sparsify, table=True), their
+# split variant is not built: VGG-16's three take ~68 s of the ~415 s of CPU
+# its cold build took on 2 cores (bench/results/compile_vgg16_2026-11-28x).
+# The split variant served up to 9-10 images, the table serves up to 8: at 9
+# or 10 images these layers run their unsplit code.
+TABLE_SMALL_BATCH_MIN_CHANNELS = 512
+TABLE_SMALL_BATCH_MAX_OUTPUT = 14 * 14
+
+
+def table_runs_small_batches(shape: ConvShape) -> bool:
+    """Whether the weight table, where it is timed, makes a split code
+    variant of this layer not worth building (TABLE_SMALL_BATCH_MIN_CHANNELS)."""
+    return (shape.kernel_h * shape.kernel_w > 1 and shape.groups == 1
+            and shape.in_channels >= TABLE_SMALL_BATCH_MIN_CHANNELS
+            and shape.out_h * shape.out_w <= TABLE_SMALL_BATCH_MAX_OUTPUT)
+
+
+def code_variants(shape: ConvShape, tiling: Tiling, table_at_small_batches: bool = False) -> List[Tuple[int, Tiling]]:
+    """batch_variants, less the small-batch variant where the weight table
+    will run small batches (table_at_small_batches: the caller times it) and
+    table_runs_small_batches says it beats that variant."""
+    if table_at_small_batches and table_runs_small_batches(shape):
+        return [(ANY_BATCH, tiling)]
+    return batch_variants(shape, tiling)
+
+
 def variant_for_batch(shape: ConvShape, batch: int, tiling: Optional[Tiling] = None) -> Tiling:
     """The tiling a build runs `batch` images with: batch_variants of
     `tiling`, default_tiling where none is given."""

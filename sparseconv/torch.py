@@ -33,8 +33,8 @@ from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearO
 from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
-from .shapes import ANY_BATCH, Epilogue
-from .table import MAX_TABLE_BATCH, routable_table
+from .shapes import ANY_BATCH, Epilogue, table_runs_small_batches
+from .table import MAX_TABLE_BATCH, routable_table, table_supported
 from .timing import one_line
 from .tune import DENSE, SPARSE_EVENTS
 
@@ -148,16 +148,31 @@ def _host(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
 
 
 def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[str], backend: str,
-             tune_batch: int, cache_dir: Optional[str], jobs: Optional[int], progress: bool) -> Dict[str, Any]:
+             tune_batch: int, cache_dir: Optional[str], jobs: Optional[int], progress: bool,
+             table_layers: Sequence[str] = ()) -> Dict[str, Any]:
     """Compile every fused conv and Linear on the current GPU (name -> kernel),
     each with its epilogue: one parallel build of every layer and batch
-    variant; with tiling/backend "auto", one tuned compile per layer."""
+    variant (table_layers: see compile_layers); with tiling/backend "auto",
+    one tuned compile per layer."""
     layers = [(name, _host(m.weight), _host(m.bias), shapes[name]) for name, m in convs.items()]
     epilogues = {name: Epilogue(activation=m.activation, clip=m.clip, residual=m.residual)
                  for name, m in convs.items()}
     linears = {name for name, m in convs.items() if isinstance(m, FusedLinear)}
     return compile_layers(layers, tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
-                          jobs=jobs, progress=progress, epilogues=epilogues, linears=linears)
+                          jobs=jobs, progress=progress, epilogues=epilogues, linears=linears,
+                          table_layers=table_layers)
+
+
+def small_batch_table_layers(convs: Dict[str, Any], shapes: Dict[str, Any], route_batches: Optional[Sequence[int]],
+                             table: bool) -> List[str]:
+    """The convs whose small batches route_by_batch will time through the
+    weight table (table on, a route batch of at most MAX_TABLE_BATCH images,
+    a shape the table family takes) and the table is known to win there
+    (shapes.table_runs_small_batches): built without their split code."""
+    if not (table and route_batches and min(route_batches) <= MAX_TABLE_BATCH):
+        return []
+    return [name for name, m in convs.items() if isinstance(m, FusedConv2d)
+            and table_supported(shapes[name]) is None and table_runs_small_batches(shapes[name])]
 
 
 def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.device,
@@ -276,7 +291,11 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     most table.MAX_TABLE_BATCH images, through the weight-table family
     (sparseconv.table: the nonzero weights read as data instead of fetched
     as code, ~1.5-2x faster on ResNet-50's 7x7 and 14x14 layers at batch 1)
-    and routes those batch sizes to it where it is the fastest.
+    and routes those batch sizes to it where it is the fastest. Deep convs
+    larger than 1x1 on images of 14x14 or less (VGG-16's conv5_x, ResNet-50's
+    layer4.x.conv2), where the table has beaten the split code in every run,
+    are then built without that code (shapes.table_runs_small_batches): a
+    shorter build, and the plan says so.
 
     linear=True (default) also compiles each nn.Linear that is called once on
     2-D (N, in_features) inputs and has at least max(min_sparsity, 0.5) of its
@@ -331,9 +350,11 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
         # The per-module path swapped a copy's convs: swap the model's own instead.
         convs, result = swap_modules(model, front.plans), model
     shapes = {p.name: p.shape for p in front.plans if p.name in convs}
+    tuned = tiling == "auto" or backend == "auto"  # compile_layers then builds each layer's own candidates
+    table_layers = [] if tuned else small_batch_table_layers(convs, shapes, route_batches, table)
     with cupy.cuda.Device(device.index):
         kernels = _compile(convs, shapes, tiling=tiling, backend=backend, tune_batch=tune_batch,
-                           cache_dir=cache_dir, jobs=jobs, progress=progress)
+                           cache_dir=cache_dir, jobs=jobs, progress=progress, table_layers=table_layers)
     for name, m in convs.items():
         m.to(device)
         m.kernel = kernels[name]
@@ -348,7 +369,10 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
         elif p.name in routed:
             paths = {path for _, path in convs[p.name].route}
             action = "mixed" if len(paths) > 1 else paths.pop()
-            plans[i] = replace(p, action=action, reason=routed[p.name])
+            reason = routed[p.name]
+            if p.name in table_layers:
+                reason += "; no split code built for small batches (shapes.table_runs_small_batches)"
+            plans[i] = replace(p, action=action, reason=reason)
     skipped = skip_identity_pools(result) if pools and isinstance(result, torch.fx.GraphModule) else []
     pooled = swap_max_pools(result) if pools else []
     gemvs = swap_dense_linears(result) if gemv else []

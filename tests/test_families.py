@@ -632,3 +632,25 @@ def test_the_residual_goes_after_the_chunk_loop_only_where_one_block_holds_every
     assert not any(shapes.residual_after_loop(s, default_tiling(s)) for s in keeps)
     s = mnas["layers.10.1.layers.6"]
     assert not shapes.residual_after_loop(s, replace(default_tiling(s), slices=2))  # the reduce kernel adds it
+
+
+def test_the_table_runs_small_batches_of_deep_convs_on_small_images():
+    """Exactly VGG-16's conv5_x and ResNet-50's layer4.x.conv2 among the five
+    zoo networks; code_variants then drops their split variant, and only
+    where the caller times the table."""
+    from sparseconv.shapes import code_variants, table_runs_small_batches
+
+    taken = sorted(f"{net}:{name}" for net, layers in
+                   (("resnet50", resnet50()), ("vgg16", vgg16()), ("resnext50", resnext50()),
+                    ("mobilenet_v2", mobilenet_v2()), ("mnasnet1_0", mnasnet1_0()))
+                   for name, s in layers if table_runs_small_batches(s))
+    assert taken == ["resnet50:layer4.0.conv2", "resnet50:layer4.1.conv2", "resnet50:layer4.2.conv2",
+                     "vgg16:conv5_1", "vgg16:conv5_2", "vgg16:conv5_3"]
+    conv5 = ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1))
+    whole = default_tiling(conv5)
+    assert len(batch_variants(conv5, whole)) == 2
+    assert code_variants(conv5, whole) == batch_variants(conv5, whole)
+    assert code_variants(conv5, whole, table_at_small_batches=True) == [(ANY_BATCH, whole)]
+    conv4 = ConvShape(512, 512, 28, 28, 3, 3, padding=(1, 1))  # 28x28: the split code wins, it stays
+    assert code_variants(conv4, default_tiling(conv4), table_at_small_batches=True) == \
+        batch_variants(conv4, default_tiling(conv4))

@@ -98,3 +98,31 @@ def test_fused_conv_path_follows_its_route():
     assert m.path(1) == "sparseconv" and m.path(1000) == "sparseconv"  # no route: the kernel
     m.route = [(8, "sparseconv"), (ANY_BATCH, "dense")]
     assert [m.path(b) for b in (1, 8, 9, 64)] == ["sparseconv", "sparseconv", "dense", "dense"]
+
+
+class DeepTail(nn.Module):
+    """A VGG-16 conv5-like 3x3 (512 -> 512 at 14x14) after a shallow one."""
+
+    def __init__(self):
+        super().__init__()
+        self.shallow = nn.Conv2d(3, 512, 3, padding=1)
+        self.deep = nn.Conv2d(512, 512, 3, padding=1)
+        self.pointwise = nn.Conv2d(512, 512, 1)
+
+    def forward(self, x):
+        return self.pointwise(torch.relu(self.deep(torch.relu(self.shallow(x)))))
+
+
+def test_deep_small_image_convs_skip_their_split_code_where_the_table_runs_small_batches():
+    """sparsify builds VGG-16 conv5-like layers without their small-batch code
+    when routing times the table at a small batch (shapes.code_variants)."""
+    from sparseconv.fx import prepare
+    from sparseconv.torch import small_batch_table_layers
+
+    front = prepare(DeepTail(), torch.randn(1, 3, 14, 14))
+    shapes = {p.name: p.shape for p in front.plans if p.name in front.convs}
+    assert set(shapes) == {"shallow", "deep", "pointwise"}
+    assert small_batch_table_layers(front.convs, shapes, (1, 64), table=True) == ["deep"]
+    assert small_batch_table_layers(front.convs, shapes, (1, 64), table=False) == []
+    assert small_batch_table_layers(front.convs, shapes, (16, 64), table=True) == []  # the table is not timed
+    assert small_batch_table_layers(front.convs, shapes, None, table=True) == []
