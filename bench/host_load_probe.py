@@ -24,11 +24,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
 
 from sparseconv.benchmark.network import time_forward_us
+from sparseconv.benchmark.output import write_atomically
 from sparseconv.torch import sparsify
 from sparseconv.zoo_torch import NETWORKS, build_network
 
@@ -57,6 +59,16 @@ def main() -> None:
     ap.add_argument("--sleep-us", type=float, nargs="+", default=[50.0, 200.0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # Refused now, in one line (exit 2), before any build.
+    if min(args.batch, args.rounds, args.repeat) < 1:
+        ap.error(f"--batch, --rounds and --repeat must be 1 or more, got {args.batch}, {args.rounds} "
+                 f"and {args.repeat}")
+    if min(args.sleep_us) <= 0:
+        ap.error(f"--sleep-us: each wait must be positive, got {args.sleep_us}")
+    if not args.out.endswith(".json") or not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: a .json file in a folder that exists")
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device: this times forwards on the GPU")
 
     dev = torch.device("cuda", 0)
     net = build_network(args.network, sparsity=0.9, seed=0).to(dev).eval()
@@ -89,8 +101,7 @@ def main() -> None:
                     p.wait()
             result[phase] = rows
             print(phase, json.dumps(rows), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_atomically(args.out, lambda tmp: tmp.write_text(json.dumps(result, indent=1)))
 
 
 if __name__ == "__main__":

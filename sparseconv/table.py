@@ -386,6 +386,12 @@ def routable_table(weight: np.ndarray, bias: Optional[np.ndarray], shape: ConvSh
     conv layer, on the current GPU; None where the table is not timed: the
     family does not take the shape, or no batch size is at most
     MAX_TABLE_BATCH."""
-    if table_supported(shape) is not None or min(batches) > MAX_TABLE_BATCH:
+    if not table_timed(shape, batches):
         return None
     return TableConv2d(weight, bias, shape, epilogue, name=name)
+
+
+def table_timed(shape: ConvShape, batches: Sequence[int]) -> bool:
+    """Whether routing times this conv through the table at some of these
+    batch sizes: the family takes the shape and one is at most MAX_TABLE_BATCH."""
+    return table_supported(shape) is None and bool(batches) and min(batches) <= MAX_TABLE_BATCH

@@ -34,7 +34,7 @@ from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
 from .shapes import ANY_BATCH, Epilogue, table_runs_small_batches
-from .table import MAX_TABLE_BATCH, routable_table, table_supported
+from .table import MAX_TABLE_BATCH, routable_table, table_timed
 from .timing import one_line
 from .tune import DENSE, SPARSE_EVENTS
 
@@ -166,13 +166,12 @@ def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[
 def small_batch_table_layers(convs: Dict[str, Any], shapes: Dict[str, Any], route_batches: Optional[Sequence[int]],
                              table: bool) -> List[str]:
     """The convs whose small batches route_by_batch will time through the
-    weight table (table on, a route batch of at most MAX_TABLE_BATCH images,
-    a shape the table family takes) and the table is known to win there
-    (shapes.table_runs_small_batches): built without their split code."""
-    if not (table and route_batches and min(route_batches) <= MAX_TABLE_BATCH):
+    weight table (table on, table.table_timed) and the table is known to win
+    there (shapes.table_runs_small_batches): built without their split code."""
+    if not (table and route_batches):
         return []
     return [name for name, m in convs.items() if isinstance(m, FusedConv2d)
-            and table_supported(shapes[name]) is None and table_runs_small_batches(shapes[name])]
+            and table_timed(shapes[name], route_batches) and table_runs_small_batches(shapes[name])]
 
 
 def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.device,

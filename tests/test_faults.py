@@ -993,6 +993,15 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
     ("bench/eager_host.py", ["--out", "/nonexistent-folder/h.json"],
      "--out /nonexistent-folder/h.json: a .json file in a folder that exists"),
     ("bench/eager_host.py", ["--out", "h.txt"], "--out h.txt: a .json file in a folder that exists"),
+    ("bench/host_load_probe.py", ["mnasnet1_0", "--out", "h.json", "--batch", "0"],
+     "--batch, --rounds and --repeat must be 1 or more, got 0, 5 and 30"),
+    ("bench/host_load_probe.py", ["mnasnet1_0", "--out", "h.json", "--sleep-us", "50", "0"],
+     "--sleep-us: each wait must be positive, got [50.0, 0.0]"),
+    ("bench/host_load_probe.py", ["mnasnet1_0", "--out", "/nonexistent-folder/h.json"],
+     "--out /nonexistent-folder/h.json: a .json file in a folder that exists"),
+    ("bench/host_load_probe.py", ["mnasnet1_0", "--out", "h.txt"], "--out h.txt: a .json file in a folder that exists"),
+    ("bench/host_load_probe.py", ["lenet", "--out", "h.json"], "invalid choice: 'lenet' (choose from "
+     "'mnasnet1_0', 'mobilenet_v2', 'resnet50', 'resnext50', 'vgg16')"),
     ("bench/ptxas_groups.py", ["/nonexistent-cache", "--workers", "0"], "--workers must be 1 or more, got 0"),
     ("bench/ptxas_groups.py", ["/nonexistent-cache", "--out", "g.txt"],
      "--out g.txt: a .json file in a folder that exists"),
@@ -1006,7 +1015,7 @@ _PROBE_REFUSALS = [  # (script, args, the end of stderr's last line)
 def test_probes_refuse_bad_options_in_one_line_before_any_work(script, args, needle):
     """bench/icache_probe.py, ptxas_scaling.py, graph_wrapper_probe.py, compile_model.py,
     export_network.py, front_end_ab.py, dense_linear_probe.py, pool_bench.py, eager_forward.py, eager_host.py,
-    ptxas_groups.py:
+    ptxas_groups.py, host_load_probe.py:
     exit 2, one line,
     nothing printed, assembled, compiled, exported, timed or written."""
     r = _bench(script, *args)

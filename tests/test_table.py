@@ -12,7 +12,7 @@ from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
 from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS,
                               VERY_LONG_CHANNEL, TableTiling,
-                              routable_table, table_grid, table_source, table_supported, table_tiling,
+                              routable_table, table_grid, table_source, table_supported, table_timed, table_tiling,
                               weight_table)
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
@@ -146,6 +146,9 @@ def test_table_source_refuses_what_the_family_does_not_take():
     assert "more than 64 taps" in table_supported(ConvShape(2, 2, 9, 9, 9, 9))
     with pytest.raises(ValueError, match="more than 64 taps"):
         weight_table(np.ones((2, 2, 9, 9), np.float32), ConvShape(2, 2, 9, 9, 9, 9))
+    # routing times the table where the family takes the shape and a batch is at most MAX_TABLE_BATCH
+    assert table_timed(SHAPES["3x3-pad1"], (1, 64)) and not table_timed(SHAPES["3x3-pad1"], (16, 64))
+    assert not table_timed(grouped, (1, 64)) and not table_timed(SHAPES["3x3-pad1"], ())
     for bad in (dict(pixels_per_lane=0), dict(warps=3), dict(staged_entries=1)):
         with pytest.raises(ValueError):
             TableTiling(**bad)
