@@ -10,7 +10,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,27 @@ def code_fingerprint(patterns: Tuple[str, ...], root: Optional[Path] = None) -> 
 
 # Part of every kernel and tuning key; computed once per process.
 SPECIALISER_FINGERPRINT = code_fingerprint(_ARTIFACT_SOURCES)
+
+
+def _source_digests(root: Optional[Path] = None) -> Dict[str, str]:
+    root = root or Path(__file__).resolve().parent
+    return {f.relative_to(root).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+            for pattern in _ARTIFACT_SOURCES for f in root.glob(pattern)}
+
+
+# What this process imported, to tell when the files change under it.
+_IMPORTED_SOURCE_DIGESTS = _source_digests()
+
+
+def sources_changed_since_import() -> List[str]:
+    """The artifact sources (_ARTIFACT_SOURCES) whose files on disk differ from
+    what this process imported (an edit of an editable install, an upgrade).
+    Builds in this process then key by the imported code and build workers,
+    fresh processes, by the code on disk, so neither finds the other's cache
+    entries: a warm rebuild misses (seen in sessions 42 and 46)."""
+    now = _source_digests()
+    return sorted(f for f in now.keys() | _IMPORTED_SOURCE_DIGESTS.keys()
+                  if now.get(f) != _IMPORTED_SOURCE_DIGESTS.get(f))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import click
 import numpy as np
 
-from .build import CompiledLayer
+from .build import CompiledLayer, sources_changed_since_import
 from .build_worker import build_one
 from .cache import ArtifactCache
 from .limits import check_layer
@@ -132,6 +133,12 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
             check_layer(j.shape, j.tiling)
         except ValueError as exc:
             raise _naming_layer(exc, j.name) from None
+    changed = sources_changed_since_import()
+    if changed:
+        warnings.warn(f"sparseconv's {', '.join(changed)} under {Path(__file__).resolve().parent} changed after "
+                      "this process imported it: layers built in this process are cached under the imported "
+                      "code, those built by worker processes under the code on disk, and neither finds the "
+                      "other's. Restart Python to build with one.", RuntimeWarning, stacklevel=2)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     if not sys.executable:  # an embedded Python that cannot start another: build here
         workers = 1

@@ -1,8 +1,9 @@
 """CPU: the whole build pipeline with its cache (no GPU needed)."""
 import multiprocessing as mp
-
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,6 +174,57 @@ def test_build_many_builds_from_an_unguarded_threaded_script(tmp_path, start_met
     assert done.stdout.splitlines() == ["script top ran", "built 2"]
     assert "fork" not in done.stderr, done.stderr[-2000:]
 
+
+
+EDITED_UNDER_IT_SCRIPT = """
+import sys, warnings
+import numpy as np
+from sparseconv.build import sources_changed_since_import
+from sparseconv.parallel import LayerJob, build_many
+from sparseconv.shapes import ConvShape
+
+assert sources_changed_since_import() == []
+with open(sys.argv[2], "a") as f:  # an edit of the installed sources while this process runs
+    f.write("# edited\\n")
+s = ConvShape(4, 6, 7, 7, 3, 3, (1, 1), (1, 1))
+w = np.arange(np.prod(s.weight_shape), dtype=np.float32).reshape(s.weight_shape) % 3
+jobs = [LayerJob(f"l{i}", w * (i + 1), s) for i in range(2)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    build_many(jobs, cache_dir=sys.argv[1], workers=2, progress=False)  # in workers: the code on disk
+    again = build_many(jobs[:1], cache_dir=sys.argv[1], progress=False)  # here: the code imported
+print(sources_changed_since_import())
+print([str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)])
+print("hit" if again["l0"].stats["kernel_cache_hit"] else "miss")
+"""
+
+
+def test_build_many_warns_when_its_sources_changed_after_import(tmp_path):
+    """Sessions 42 and 46 saw a warm rebuild miss the cache: the sources had
+    been edited after the caller imported them, so its own builds and its
+    workers' (fresh processes) keyed by different code. build_many says so."""
+    import shutil
+    import subprocess
+    import sys
+
+    import sparseconv
+
+    package = Path(sparseconv.__file__).resolve().parent
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy / "sparseconv", ignore=shutil.ignore_patterns("__pycache__"))
+    if (package.parent / "templates").is_dir():  # a source checkout: the templates sit beside the package
+        shutil.copytree(package.parent / "templates", copy / "templates")
+    script = tmp_path / "edit.py"
+    script.write_text(EDITED_UNDER_IT_SCRIPT)
+    edited = copy / "sparseconv" / "shapes.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), str(edited)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(copy)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    changed, messages, again = done.stdout.splitlines()
+    assert changed == "['shapes.py']"
+    assert "sparseconv's shapes.py under" in messages and "Restart Python" in messages
+    assert messages.count("changed after this process imported it") == 2  # each call says it
+    assert again == "miss"  # what the warning explains
 
 
 def test_build_many_times_each_build_not_its_wait_for_a_worker(tmp_path):
