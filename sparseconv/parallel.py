@@ -38,7 +38,7 @@ from .build import CompiledLayer, sources_changed_since_import
 from .build_worker import build_one
 from .cache import ArtifactCache
 from .limits import check_layer
-from .shapes import ConvShape, Epilogue, Target, Tiling
+from .shapes import ConvShape, Epilogue, Target, Tiling, default_tiling
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,22 @@ def _naming_layer(exc: BaseException, name: str) -> BaseException:
         return exc
 
 
+def build_order(jobs: Sequence[LayerJob]) -> List[LayerJob]:
+    """Big layers first, for a shorter tail; among layers of one size, the
+    first of each template (shape, tiling, epilogue) before its repeats. Two
+    workers that start repeats of one template at once both run nvcc on it
+    (the cache has no entry yet): VGG-16's conv5_1 and conv5_2 each spent
+    7.5 s on the same template (session 47); a repeat started after the first
+    finds the template cached."""
+    seen: Dict[Tuple[ConvShape, Tiling, Epilogue], int] = {}
+    repeat: Dict[str, int] = {}
+    for j in sorted(jobs, key=lambda j: -j.weight.size):
+        template = (j.shape, j.tiling or default_tiling(j.shape), j.epilogue)
+        repeat[j.name] = seen.get(template, 0)
+        seen[template] = repeat[j.name] + 1
+    return sorted(jobs, key=lambda j: (-j.weight.size, repeat[j.name]))
+
+
 def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cache_dir: Optional[str] = None,
                workers: Optional[int] = None, progress: bool = True) -> Dict[str, CompiledLayer]:
     """Build every job; returns name -> CompiledLayer in the jobs' order. Each
@@ -142,7 +158,7 @@ def build_many(jobs: Sequence[LayerJob], *, target: Optional[Target] = None, cac
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     if not sys.executable:  # an embedded Python that cannot start another: build here
         workers = 1
-    order = sorted(jobs, key=lambda j: -j.weight.size)  # big layers first: shorter tail
+    order = build_order(jobs)
     done: Dict[str, CompiledLayer] = {}
     if not jobs:
         return done

@@ -3,6 +3,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,22 @@ def test_build_many_builds_in_parallel_and_keeps_order(tmp_path):
     assert all(layer.stats["kernel_cache_hit"] for layer in again.values())
     with pytest.raises(ValueError, match="unique"):
         build_many([jobs[0], jobs[0]], cache_dir=str(tmp_path), progress=False)
+
+
+def test_build_order_puts_each_template_before_its_repeats():
+    """Big layers first; among one size, the first layer of each template
+    (shape, tiling, epilogue) before the repeats, so two workers do not run
+    nvcc on one template at once (parallel.build_order)."""
+    from sparseconv.parallel import LayerJob, build_order
+    from sparseconv.shapes import Epilogue, default_tiling
+
+    deep, narrow = ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)), ConvShape(64, 64, 7, 7, 1, 1)
+    w, small = np.ones(deep.weight_shape, np.float32), np.ones(narrow.weight_shape, np.float32)
+    split = replace(default_tiling(deep), slices=2)
+    jobs = [LayerJob("tiny", small, narrow), LayerJob("a", w, deep), LayerJob("a#split", w, deep, split),
+            LayerJob("b", w, deep), LayerJob("b#split", w, deep, split), LayerJob("c", w, deep),
+            LayerJob("relu", w, deep, epilogue=Epilogue(activation="relu"))]
+    assert [j.name for j in build_order(jobs)] == ["a", "a#split", "relu", "b", "b#split", "c", "tiny"]
 
 
 UNGUARDED_SCRIPT = """
