@@ -71,7 +71,7 @@ def main() -> None:
     if a.check:
         errors = check_layers(jobs, kernels)
     missed = [name for name, layer in warm.items() if not layer.stats["kernel_cache_hit"]]
-    if missed:  # seen once (session 42, MNASNet 1.0) and not again in two reruns: say which, to find out why
+    if missed:  # session 42 (MNASNet 1.0): the sources were edited under the run (build_many warns since 47)
         sys.exit(f"the warm build missed the cache for {len(missed)} of {len(jobs)} layers: {', '.join(missed)} "
                  f"(cache {cache})")
     print(f"# {a.model}, {len(jobs)} builds ({'every variant' if a.all_variants else 'as sparsify builds'}), "

@@ -35,23 +35,25 @@ def code_fingerprint(patterns: Tuple[str, ...], root: Optional[Path] = None) -> 
     contents, in sorted order): any edit to the code that produces an artifact
     changes the keys it is cached under, as Triton hashes its compiler sources."""
     root = root or Path(__file__).resolve().parent
-    files = sorted({f for pattern in patterns for f in root.glob(pattern)})
-    if not files:
+    sources = _source_files(patterns, root)
+    if not sources:
         raise RuntimeError(f"sparseconv's source files are missing under {root}; reinstall sparseconv")
-    parts: list = []
-    for f in files:
-        parts += [f.relative_to(root).as_posix(), f.read_bytes()]
-    return cache_key("code", *parts)
+    return cache_key("code", *[part for name, data in sources for part in (name, data)])
+
+
+def _source_files(patterns: Tuple[str, ...], root: Path) -> List[Tuple[str, bytes]]:
+    """(path relative to root, contents) of each file matching `patterns`, sorted by path."""
+    files = sorted({f for pattern in patterns for f in root.glob(pattern)})
+    return [(f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
 
 
 # Part of every kernel and tuning key; computed once per process.
 SPECIALISER_FINGERPRINT = code_fingerprint(_ARTIFACT_SOURCES)
 
 
-def _source_digests(root: Optional[Path] = None) -> Dict[str, str]:
-    root = root or Path(__file__).resolve().parent
-    return {f.relative_to(root).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
-            for pattern in _ARTIFACT_SOURCES for f in root.glob(pattern)}
+def _source_digests() -> Dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest()
+            for name, data in _source_files(_ARTIFACT_SOURCES, Path(__file__).resolve().parent)}
 
 
 # What this process imported, to tell when the files change under it.
