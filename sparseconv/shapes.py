@@ -595,7 +595,8 @@ STRIDED_CAPPED_MIN_CHANNELS = 512
 WIDENING_MIN_CHANNELS = 128
 # Input channels from which an unstrided 1x1 conv that does not widen, with
 # 14x14 outputs or more, takes blocks of 256 threads capped to 2 an SM, 32
-# output channels where it has under twice this many inputs, else 64.
+# output channels where it has under twice this many inputs, else 32 or 64 by
+# waves (NARROW_DEEP_POINTWISE_WAVE_COST; deep_pointwise_tiling).
 # Before, 64 channels x 512 threads, one block an SM (chosen on the H100 in
 # session 13). Cold at batch 64 on the H200 (bench/split_probe.py --cold
 # --epilogue relu, seeds 0 and 1, session 46, run zz), µs, before -> after:
@@ -608,6 +609,18 @@ WIDENING_MIN_CHANNELS = 128
 # layer3.1.conv1 and layer4.0.conv1, +16% on ResNet-50's layer3.1.conv1.
 # ResNeXt-50 at batch 64, alternating trees: 7,168 -> 6,928 us a forward.
 DEEP_POINTWISE_MIN_CHANNELS = 512
+# From twice that many inputs, the choice between 32 and 64 channels a block
+# goes by waves of two blocks an SM (TWO_WAVES) at SMALL_GRID_BATCH images: a
+# wave of 32-channel blocks takes this fraction of a 64-channel wave's time.
+# The same probe, both seeds (1024 inputs, 14x14, us): ResNeXt-50
+# layer3.1.conv1 (K 512) 392 blocks of 64 = 2 waves, 141.3; 784 of 32 = 3
+# waves, 127.8-128.1 (42.6 a wave against 70.6: 0.60). ResNet-50
+# layer3.1.conv1 (K 256) 1 wave of 64, 71.7; 2 waves of 32, 84.7-85.3.
+# ResNeXt-50 layer4.0.conv1 (K 1024) 3 waves of 64, 217.6-219.9; 6 of 32,
+# 242.9-243.5. The 512-input layers take 32 channels by the rule above.
+# Landed in session 48 on alternating trees at batch 64 (us a forward): ResNeXt-50
+# 6,770 / 6,772 -> 6,722 / 6,724 (predicted -65), ResNet-50 5,703 / 5,708 -> 5,687 / 5,681 (-13).
+NARROW_DEEP_POINTWISE_WAVE_COST = 0.6
 
 
 # The batch at which a 7x7 1x1 conv's 32-channel blocks are counted: under
@@ -634,7 +647,7 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     faster than 128 on layer3's 1024->256). Within 1.2x of the best of six
     candidates on every layer. From DEEP_POINTWISE_MIN_CHANNELS inputs on
     14x14 images or larger, the same 512 threads an SM come as two capped
-    blocks of 256 (see there); a Linear layer's one pixel keeps 512.
+    blocks of 256 (deep_pointwise_tiling); a Linear layer's one pixel keeps 512.
 
     Three exceptions, chosen on cold times (session 13): strided layers with
     STRIDED_CAPPED_MIN_CHANNELS+ inputs and unstrided widening layers with
@@ -659,8 +672,23 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
             return pointwise_tiling(shape, 16, 1, 512)  # see SMALL_GRID_BATCH
         return t
     if c >= DEEP_POINTWISE_MIN_CHANNELS and pixels >= MANY_THREADS_MIN_OUTPUT:  # see there
-        return pointwise_tiling(shape, 64 if c >= 2 * DEEP_POINTWISE_MIN_CHANNELS else 32, 1, 256, min_blocks=2)
+        return deep_pointwise_tiling(shape)
     return pointwise_tiling(shape, 64, 1, 512 if c >= 512 else 256 if c >= 256 else 128)
+
+
+def deep_pointwise_tiling(shape: ConvShape) -> Tiling:
+    """A deep unstrided 1x1 conv on 14x14 images or larger: two capped blocks of
+    256 threads an SM, 32 output channels a block below 1,024 inputs; from
+    there 32 or 64, whichever takes fewer waves at SMALL_GRID_BATCH, a wave of
+    32 counted at NARROW_DEEP_POINTWISE_WAVE_COST of one of 64 (see there)."""
+    narrow = pointwise_tiling(shape, 32, 1, 256, min_blocks=2)
+    if shape.c_per_group < 2 * DEEP_POINTWISE_MIN_CHANNELS:
+        return narrow
+    wide = pointwise_tiling(shape, 64, 1, 256, min_blocks=2)
+
+    def waves(t: Tiling) -> int:
+        return -(-pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) // TWO_WAVES)
+    return narrow if waves(narrow) * NARROW_DEEP_POINTWISE_WAVE_COST < waves(wide) else wide
 
 
 # Outputs per image at or below which a deep conv larger than 1x1 takes the

@@ -52,13 +52,37 @@ def test_1x1_exceptions_chosen_on_cold_times():
             ConvShape(256, 256, 56, 56, 1, 1): (64, 256, 1),              # ResNeXt-50 layer2.0.conv1: below
             ConvShape(1024, 2048, 14, 14, 1, 1, (2, 2)): (64, 256, 2),    # layer4.0.downsample
             ConvShape(2048, 512, 7, 7, 1, 1): (32, 512, 1),               # layer4.x.conv1
-            ConvShape(1024, 512, 14, 14, 1, 1): (64, 256, 2)}             # layer4.0.conv1
+            ConvShape(1024, 512, 14, 14, 1, 1): (32, 256, 2)}             # layer4.0.conv1: by waves, below
     for shape, want in rows.items():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise",) + want, shape.describe()
     assert default_tiling(ConvShape(128, 512, 28, 28, 1, 1)).max_registers == 128
     linear_like = default_tiling(ConvShape(4096, 1000, 1, 1, 1, 1))  # one pixel: not the 7x7 rule
     assert (linear_like.k_block, linear_like.threads) == (64, 512)
+
+
+def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
+    """From 1,024 inputs a deep 1x1 takes 32-channel blocks only where their
+    waves of two blocks an SM at batch 64, each counted at 0.6 of a wave of
+    64-channel blocks, come to less (shapes.deep_pointwise_tiling)."""
+    from sparseconv.shapes import (NARROW_DEEP_POINTWISE_WAVE_COST, SMALL_GRID_BATCH, TWO_WAVES, n_kblocks,
+                                   pixel_blocks)
+
+    def waves(shape, k_block):
+        t = replace(default_tiling(shape), k_block=k_block)
+        return -(-pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) // TWO_WAVES)
+    # (K, image): 64-channel waves, 32-channel waves, the choice
+    for k, hw, wide, narrow, want in [(512, 14, 2, 3, 32),     # ResNeXt-50 layer3.x.conv1: 2 > 3 x 0.6
+                                      (256, 14, 1, 2, 64),     # ResNet-50 layer3.x.conv1: 1 < 1.2
+                                      (1024, 14, 3, 6, 64),    # ResNeXt-50 layer4.0.conv1: 3 < 3.6
+                                      (512, 28, 6, 12, 64)]:   # 4x the pixels: 6 < 7.2
+        shape = ConvShape(1024, k, hw, hw, 1, 1)
+        assert (waves(shape, 64), waves(shape, 32)) == (wide, narrow), shape.describe()
+        assert (narrow * NARROW_DEEP_POINTWISE_WAVE_COST < wide) == (want == 32)
+        assert default_tiling(shape).k_block == want, shape.describe()
+    # below 1,024 inputs, 32 whatever the waves; 7x7 images take their own rule
+    assert default_tiling(ConvShape(512, 1024, 14, 14, 1, 1)).k_block == 32
+    assert default_tiling(ConvShape(1024, 512, 7, 7, 1, 1)).threads == 512
 
 
 def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels():
