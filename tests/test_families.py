@@ -80,8 +80,11 @@ def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
         assert (waves(shape, 64), waves(shape, 32)) == (wide, narrow), shape.describe()
         assert (narrow * NARROW_DEEP_POINTWISE_WAVE_COST < wide) == (want == 32)
         assert default_tiling(shape).k_block == want, shape.describe()
-    # below 1,024 inputs, 32 whatever the waves; 7x7 images take their own rule
-    assert default_tiling(ConvShape(512, 1024, 14, 14, 1, 1)).k_block == 32
+    # below 1,024 inputs, 32 whatever the waves (here 12 x 0.6 > 6: by waves it would be 64);
+    # 7x7 images take their own rule
+    below = ConvShape(512, 512, 28, 28, 1, 1)                 # ResNeXt-50 layer3.0.conv1
+    assert (waves(below, 64), waves(below, 32)) == (6, 12)
+    assert default_tiling(below).k_block == 32
     assert default_tiling(ConvShape(1024, 512, 7, 7, 1, 1)).threads == 512
 
 
