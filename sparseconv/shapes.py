@@ -338,6 +338,12 @@ def pixel_blocks(shape: ConvShape, tiling: Tiling, batch: int) -> int:
     return -(-batch * shape.out_h * shape.out_w // tiling.tile_w)
 
 
+def pointwise_blocks(shape: ConvShape, tiling: Tiling, batch: int) -> int:
+    """Pointwise family, one slice: the blocks `batch` images launch (pixel
+    blocks x k-blocks, before grouping; what the default rules count in waves)."""
+    return pixel_blocks(shape, tiling, batch) * n_kblocks(shape, tiling)
+
+
 def pixel_group(shape: ConvShape, tiling: Tiling) -> int:
     """Pointwise family: pixel blocks per group (before capping at the batch's)."""
     input_bytes = tiling.tile_w * shape.c_per_group * shape.stride[1] * 4  # a stride-2 row is read whole
@@ -668,7 +674,7 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
         return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)
     elif 1 < pixels < MANY_THREADS_MIN_OUTPUT:
         t = pointwise_tiling(shape, 32, 1, 512)
-        if pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) < ONE_WAVE // 2:
+        if pointwise_blocks(shape, t, SMALL_GRID_BATCH) < ONE_WAVE // 2:
             return pointwise_tiling(shape, 16, 1, 512)  # see SMALL_GRID_BATCH
         return t
     if c >= DEEP_POINTWISE_MIN_CHANNELS and pixels >= MANY_THREADS_MIN_OUTPUT:  # see there
@@ -685,10 +691,8 @@ def deep_pointwise_tiling(shape: ConvShape) -> Tiling:
     if shape.c_per_group < 2 * DEEP_POINTWISE_MIN_CHANNELS:
         return narrow
     wide = pointwise_tiling(shape, 64, 1, 256, min_blocks=2)
-
-    def waves(t: Tiling) -> int:
-        return -(-pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) // TWO_WAVES)
-    return narrow if waves(narrow) * NARROW_DEEP_POINTWISE_WAVE_COST < waves(wide) else wide
+    waves = {t.k_block: -(-pointwise_blocks(shape, t, SMALL_GRID_BATCH) // TWO_WAVES) for t in (narrow, wide)}
+    return narrow if waves[32] * NARROW_DEEP_POINTWISE_WAVE_COST < waves[64] else wide
 
 
 # Outputs per image at or below which a deep conv larger than 1x1 takes the

@@ -65,12 +65,11 @@ def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
     """From 1,024 inputs a deep 1x1 takes 32-channel blocks only where their
     waves of two blocks an SM at batch 64, each counted at 0.6 of a wave of
     64-channel blocks, come to less (shapes.deep_pointwise_tiling)."""
-    from sparseconv.shapes import (NARROW_DEEP_POINTWISE_WAVE_COST, SMALL_GRID_BATCH, TWO_WAVES, n_kblocks,
-                                   pixel_blocks)
+    from sparseconv.shapes import NARROW_DEEP_POINTWISE_WAVE_COST, SMALL_GRID_BATCH, TWO_WAVES, pointwise_blocks
 
     def waves(shape, k_block):
         t = replace(default_tiling(shape), k_block=k_block)
-        return -(-pixel_blocks(shape, t, SMALL_GRID_BATCH) * n_kblocks(shape, t) // TWO_WAVES)
+        return -(-pointwise_blocks(shape, t, SMALL_GRID_BATCH) // TWO_WAVES)
     # (K, image): 64-channel waves, 32-channel waves, the choice
     for k, hw, wide, narrow, want in [(512, 14, 2, 3, 32),     # ResNeXt-50 layer3.x.conv1: 2 > 3 x 0.6
                                       (256, 14, 1, 2, 64),     # ResNet-50 layer3.x.conv1: 1 < 1.2
