@@ -307,7 +307,9 @@ def test_gelu_opset_20_and_erf_without_scipy(tmp_path, monkeypatch, approximate)
     monkeypatch.setitem(sys.modules, "scipy.special", None)  # import fails
     np.testing.assert_allclose(onnx_ops.erf(np, np.array([-1.0, 0.5])), [-0.8427007929497149, 0.5204998778130465],
                                rtol=1e-15)
-    np.testing.assert_allclose(_check(path, x), with_scipy, rtol=1e-13)
+    # the two erfs differ by an ulp here and there; Gelu's 1 + erf(x / sqrt 2) cancels where x is very
+    # negative, so an ulp of erf (times |x| / 2) can be 1e-13 of a result near zero (session 49's CI run)
+    np.testing.assert_allclose(_check(path, x), with_scipy, rtol=1e-13, atol=1e-14)
 
 
 @pytest.mark.parametrize("mode", ["DCR", "CRD"])
