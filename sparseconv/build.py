@@ -35,10 +35,7 @@ def code_fingerprint(patterns: Tuple[str, ...], root: Optional[Path] = None) -> 
     contents, in sorted order): any edit to the code that produces an artifact
     changes the keys it is cached under, as Triton hashes its compiler sources."""
     root = root or Path(__file__).resolve().parent
-    sources = _source_files(patterns, root)
-    if not sources:
-        raise RuntimeError(f"sparseconv's source files are missing under {root}; reinstall sparseconv")
-    return cache_key("code", *[part for name, data in sources for part in (name, data)])
+    return _fingerprint(_source_files(patterns, root), root)
 
 
 def _source_files(patterns: Tuple[str, ...], root: Path) -> List[Tuple[str, bytes]]:
@@ -47,17 +44,23 @@ def _source_files(patterns: Tuple[str, ...], root: Path) -> List[Tuple[str, byte
     return [(f.relative_to(root).as_posix(), f.read_bytes()) for f in files]
 
 
-# Part of every kernel and tuning key; computed once per process.
-SPECIALISER_FINGERPRINT = code_fingerprint(_ARTIFACT_SOURCES)
+def _fingerprint(sources: List[Tuple[str, bytes]], root: Path) -> str:
+    if not sources:
+        raise RuntimeError(f"sparseconv's source files are missing under {root}; reinstall sparseconv")
+    return cache_key("code", *[part for name, data in sources for part in (name, data)])
 
 
-def _source_digests() -> Dict[str, str]:
-    return {name: hashlib.sha256(data).hexdigest()
-            for name, data in _source_files(_ARTIFACT_SOURCES, Path(__file__).resolve().parent)}
+def _digests(sources: List[Tuple[str, bytes]]) -> Dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in sources}
 
 
-# What this process imported, to tell when the files change under it.
-_IMPORTED_SOURCE_DIGESTS = _source_digests()
+# The artifact sources as this process imported them, read once: the
+# fingerprint every kernel and tuning key carries, and the digests that tell
+# when the files change under the process (sources_changed_since_import).
+_PACKAGE_ROOT = Path(__file__).resolve().parent
+_IMPORTED_SOURCES = _source_files(_ARTIFACT_SOURCES, _PACKAGE_ROOT)
+SPECIALISER_FINGERPRINT = _fingerprint(_IMPORTED_SOURCES, _PACKAGE_ROOT)
+_IMPORTED_SOURCE_DIGESTS = _digests(_IMPORTED_SOURCES)
 
 
 def sources_changed_since_import() -> List[str]:
@@ -66,7 +69,7 @@ def sources_changed_since_import() -> List[str]:
     Builds in this process then key by the imported code and build workers,
     fresh processes, by the code on disk, so neither finds the other's cache
     entries: a warm rebuild misses (seen in sessions 42 and 46)."""
-    now = _source_digests()
+    now = _digests(_source_files(_ARTIFACT_SOURCES, _PACKAGE_ROOT))
     return sorted(f for f in now.keys() | _IMPORTED_SOURCE_DIGESTS.keys()
                   if now.get(f) != _IMPORTED_SOURCE_DIGESTS.get(f))
 

@@ -364,6 +364,8 @@ def test_kernel_keys_follow_the_code_that_makes_the_artifacts(tmp_path, monkeypa
     assert build.code_fingerprint(("specialise/*.py", "ptx.py"), root=src) != before
     with pytest.raises(RuntimeError, match="source files are missing"):
         build.code_fingerprint(("nothing/*.py",), root=src)
+    # the fingerprint the keys carry is the package's, read once at import
+    assert build.SPECIALISER_FINGERPRINT == build.code_fingerprint(build._ARTIFACT_SOURCES)
 
     cache = ArtifactCache(tmp_path / "cache")
     build_conv2d(weight(), SHAPE, tiling=TILING, cache=cache)
