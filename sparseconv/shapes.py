@@ -641,6 +641,14 @@ NARROW_DEEP_POINTWISE_WAVE_COST = 0.6
 SMALL_GRID_BATCH = 64
 
 
+def large_batch_waves(shape: ConvShape, tiling: Tiling) -> int:
+    """Waves of blocks (ONE_WAVE x tiling.min_blocks slots) that `tiling`
+    launches at SMALL_GRID_BATCH, counted on the launched grid: blocks that a
+    grid's groups round up do run (session 49, run m)."""
+    gx, gy, gz = launch_grid(shape, tiling, SMALL_GRID_BATCH)
+    return -(-(gx * gy * gz) // (ONE_WAVE * tiling.min_blocks))
+
+
 def default_pointwise_tiling(shape: ConvShape) -> Tiling:
     """The pointwise family's default, from two sweeps on the H100
     (bench/family_sweep.py, ResNet-50's 15 distinct 1x1 layers at batch 64,
@@ -691,7 +699,7 @@ def deep_pointwise_tiling(shape: ConvShape) -> Tiling:
     if shape.c_per_group < 2 * DEEP_POINTWISE_MIN_CHANNELS:
         return narrow
     wide = pointwise_tiling(shape, 64, 1, 256, min_blocks=2)
-    waves = {t.k_block: -(-pointwise_blocks(shape, t, SMALL_GRID_BATCH) // TWO_WAVES) for t in (narrow, wide)}
+    waves = {t.k_block: large_batch_waves(shape, t) for t in (narrow, wide)}
     return narrow if waves[32] * NARROW_DEEP_POINTWISE_WAVE_COST < waves[64] else wide
 
 
@@ -1295,18 +1303,96 @@ def split_batch_limit(shape: ConvShape, split: Tiling) -> int:
 ANY_BATCH = 1 << 62
 
 
+# Deep convs at batch 64 wait on instruction fetch (session 16): a block
+# streams its k-block's code, so a wave of blocks takes about as long as one
+# block's code, and blocks beyond a whole number of waves start another. A
+# default that leaves SMs idle in its last wave can take fewer output channels
+# a block (a k_block need not be a power of two) and, at one block an SM, up
+# to WAVE_FIT_MAX_THREADS threads, so that more blocks of less code fill the
+# waves it had. Cost of a tiling: waves at SMALL_GRID_BATCH x (this many
+# channels + k_block), the fixed part fitted to the cold probe below (a
+# block's loads and epilogue do not shrink with its channels). Taken where
+# the cost falls by WAVE_FIT_MIN_GAIN and the last wave fills by
+# WAVE_FIT_MIN_FILL_GAIN more: ResNet-50 layer4.0.conv2, whose 128 blocks
+# already fill a wave, lost 5% with 24 x 544 (cost -8%, fill +3%).
+# H200, bench/split_probe.py --cold --batch 64 --epilogue relu --seed 0
+# (session 49, runs p and q), us before -> after:
+#   ResNet-50 layer3.1/3.2.conv2 (64 x 512, 104 blocks -> 52 x 512, 130):
+#     129.4 -> 119.7, 130.5 -> 118.5
+#   layer4.1/4.2.conv2 (32 x 512, 112 -> 20 x 640, 130): 162.4 -> 134.9,
+#     166.1 -> 135.8
+#   layer3.1/3.2.conv1 (1x1, 64 x 256 x 2 an SM, 196 -> 52, 245):
+#     68.3 -> 63.8, 69.5 -> 67.4
+#   VGG-16 conv5_1/5_2 (64 x 512, 224 -> 40 x 640, 260): 491.8 -> 361.1,
+#     492.1 -> 358.2
+# Whole networks, alternating trees at batch 64 (session 50, runs v):
+# ResNet-50 5,821 -> 5,661 us, VGG-16 14,418 / 14,397 -> 13,994 / 14,009.
+# Small batches keep the variants of the default before the fit.
+WAVE_FIT_FIXED_CHANNELS = 64
+WAVE_FIT_MIN_GAIN = 0.05
+WAVE_FIT_MIN_FILL_GAIN = 0.1
+WAVE_FIT_MAX_THREADS = 640
+WAVE_FIT_MIN_K_BLOCK = 16
+# Registers a thread needs beside its k_block accumulators (pointers, the
+# loaded inputs); at 640 threads (96 registers) k_block 40 at most.
+WAVE_FIT_OTHER_REGISTERS = 56
+
+
+def wave_fitted_tiling(shape: ConvShape, tiling: Tiling) -> Tiling:
+    """`tiling` (a default of a deep pointwise-family conv: 512 threads, one
+    block an SM, on a kernel larger than 1x1, or 256 threads two an SM)
+    refitted to the waves of SMALL_GRID_BATCH images (see
+    WAVE_FIT_FIXED_CHANNELS); unchanged where it is of neither kind or no
+    candidate gains enough."""
+    fits = (tiling.family == "pointwise" and shape.groups == 1 and tiling.slices == 1 and tiling.thread_w == 1
+            and ((tiling.threads, tiling.min_blocks) == (512, 1) and (shape.kernel_h, shape.kernel_w) != (1, 1)
+                 or (tiling.threads, tiling.min_blocks) == (256, 2)))
+    if not fits:
+        return tiling
+
+    def cost_and_fill(t: Tiling) -> Tuple[int, float]:
+        waves = large_batch_waves(shape, t)
+        blocks = math.prod(launch_grid(shape, t, SMALL_GRID_BATCH))
+        return waves * (WAVE_FIT_FIXED_CHANNELS + t.k_block), blocks / (waves * ONE_WAVE * t.min_blocks)
+
+    base_cost, base_fill = cost_and_fill(tiling)
+    best, best_cost, best_fill = tiling, base_cost, base_fill
+    threads = range(tiling.threads, WAVE_FIT_MAX_THREADS + 1, 32) if tiling.min_blocks == 1 else [tiling.threads]
+    for n in threads:
+        for k in range(WAVE_FIT_MIN_K_BLOCK, tiling.k_block + 1):
+            t = replace(pointwise_tiling(shape, k, 1, n, tiling.min_blocks), ptxas_level=tiling.ptxas_level)
+            if k + WAVE_FIT_OTHER_REGISTERS > t.max_registers:
+                continue
+            cost, fill = cost_and_fill(t)
+            if cost < best_cost:
+                best, best_cost, best_fill = t, cost, fill
+    if best_cost <= (1 - WAVE_FIT_MIN_GAIN) * base_cost and best_fill >= base_fill + WAVE_FIT_MIN_FILL_GAIN:
+        return best
+    return tiling
+
+
+def any_batch_tiling(shape: ConvShape, tiling: Tiling) -> Tiling:
+    """The tiling a build of `tiling` runs large batches with: a default
+    refitted to the waves of a large batch (wave_fitted_tiling); a tiling the
+    caller named, as named."""
+    return wave_fitted_tiling(shape, tiling) if tiling == default_tiling(shape) else tiling
+
+
 def batch_variants(shape: ConvShape, tiling: Tiling) -> List[Tuple[int, Tiling]]:
     """The tilings a layer is built with, each for batches up to a size:
     `tiling` for any batch, preceded by a variant for small batches where
     there is one: batch1_blocks' for batch 1 (measured there only), else
-    small_batch_tiling's up to split_batch_limit."""
+    small_batch_tiling's up to split_batch_limit. The default's any-batch
+    tiling is refitted to the waves of a large batch (wave_fitted_tiling);
+    the small-batch variants come from the default as it was."""
+    large = any_batch_tiling(shape, tiling)
     smaller = batch1_blocks(shape, tiling)
     if smaller is not None:  # measured at batch 1 only
-        return [(BATCH1_VARIANT_MAX_BATCH, smaller), (ANY_BATCH, tiling)]
+        return [(BATCH1_VARIANT_MAX_BATCH, smaller), (ANY_BATCH, large)]
     split = small_batch_tiling(shape, tiling)
     if split is None:
-        return [(ANY_BATCH, tiling)]
-    return [(split_batch_limit(shape, split), split), (ANY_BATCH, tiling)]
+        return [(ANY_BATCH, large)]
+    return [(split_batch_limit(shape, split), split), (ANY_BATCH, large)]
 
 
 # Convs larger than 1x1, in one group, with TABLE_SMALL_BATCH_MIN_CHANNELS+
@@ -1335,9 +1421,10 @@ def table_runs_small_batches(shape: ConvShape) -> bool:
 def code_variants(shape: ConvShape, tiling: Tiling, table_at_small_batches: bool = False) -> List[Tuple[int, Tiling]]:
     """batch_variants, less the small-batch variant where the weight table
     will run small batches (table_at_small_batches: the caller times it) and
-    table_runs_small_batches says it beats that variant."""
+    table_runs_small_batches says it beats that variant; the any-batch
+    tiling is the same either way (any_batch_tiling)."""
     if table_at_small_batches and table_runs_small_batches(shape):
-        return [(ANY_BATCH, tiling)]
+        return [(ANY_BATCH, any_batch_tiling(shape, tiling))]
     return batch_variants(shape, tiling)
 
 

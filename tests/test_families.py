@@ -87,6 +87,51 @@ def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
     assert default_tiling(ConvShape(1024, 512, 7, 7, 1, 1)).threads == 512
 
 
+def test_deep_defaults_are_refitted_to_the_waves_of_batch_64_only_where_a_wave_was_short():
+    """The any-batch tiling of a deep pointwise default takes fewer output
+    channels (and at one block an SM up to 640 threads) where that fills the
+    waves of batch 64 with less code a block (shapes.wave_fitted_tiling); the
+    layers probed in session 49, and those left as they were."""
+    from sparseconv.shapes import (SMALL_GRID_BATCH, WAVE_FIT_MAX_THREADS, WAVE_FIT_OTHER_REGISTERS,
+                                   code_variants, large_batch_waves as waves, wave_fitted_tiling)
+
+    layers = {**{f"resnet50:{n}": s for n, s in resnet50()}, **{f"vgg16:{n}": s for n, s in vgg16()}}
+    # layer: (k_block, threads, blocks at batch 64) before -> after
+    changed = {"resnet50:layer3.1.conv2": ((64, 512, 104), (52, 512, 130)),
+               "resnet50:layer4.1.conv2": ((32, 512, 112), (20, 640, 130)),
+               "resnet50:layer3.1.conv1": ((64, 256, 196), (52, 256, 245)),
+               "vgg16:conv5_1": ((64, 512, 224), (40, 640, 260))}
+    for name, (before, after) in changed.items():
+        shape = layers[name]
+        base, fitted = default_tiling(shape), variant_for_batch(shape, SMALL_GRID_BATCH)
+        for t, (k_block, threads, blocks) in ((base, before), (fitted, after)):
+            gx, gy, gz = launch_grid(shape, t, SMALL_GRID_BATCH)
+            assert (t.k_block, t.threads, gx * gy * gz) == (k_block, threads, blocks), name
+        assert waves(shape, fitted) == waves(shape, base), name      # no wave added
+        assert fitted.min_blocks == base.min_blocks and fitted.threads <= WAVE_FIT_MAX_THREADS
+        assert fitted.k_block + WAVE_FIT_OTHER_REGISTERS <= fitted.max_registers
+        check_tiling(shape, fitted)
+        assert variant_for_batch(shape, 1) == variant_for_batch(shape, 1, base), name  # small batches as before
+        # where the table runs small batches, the one code variant built is the fitted one too
+        assert code_variants(shape, base, table_at_small_batches=True)[-1][1] == fitted, name
+    # a full wave already (layer4.0.conv2: 128 of 132 blocks), a strided 3x3 whose
+    # fewer channels would add a wave, 28x28 layers of ~6 full waves, a 1x1 whose gain is under 5%
+    for name in ["resnet50:layer4.0.conv2", "resnet50:layer3.0.conv2", "vgg16:conv4_2",
+                 "resnet50:layer4.0.downsample", "resnet50:layer3.0.conv1"]:
+        shape = layers[name]
+        assert variant_for_batch(shape, SMALL_GRID_BATCH) == default_tiling(shape), name
+    # only defaults are refitted: a tiling the caller names is built as named
+    shape = layers["resnet50:layer3.1.conv2"]
+    named = pointwise_tiling(shape, 64, 1, 512)
+    assert batch_variants(shape, replace(named, c_block=2))[-1][1] == replace(named, c_block=2)
+    assert wave_fitted_tiling(shape, replace(named, thread_w=2, tile_w=1024)).thread_w == 2  # not its kind
+    # grouped and depthwise layers keep their rules: no ResNeXt-50, MobileNetV2 or MNASNet layer moves
+    for net in (resnext50, mobilenet_v2, mnasnet1_0):
+        for name, shape in net():
+            assert variant_for_batch(shape, SMALL_GRID_BATCH) == batch_variants(shape, default_tiling(shape))[-1][1]
+            assert batch_variants(shape, default_tiling(shape))[-1][1] == default_tiling(shape), name
+
+
 def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels():
     """One input channel a group (MobileNet's 3x3): the pointwise family, 256
     threads x 1 pixel, or 128 threads x 2 pixels at outputs of 28x28 or more;
@@ -676,7 +721,7 @@ def test_the_table_runs_small_batches_of_deep_convs_on_small_images():
     whole = default_tiling(conv5)
     assert len(batch_variants(conv5, whole)) == 2
     assert code_variants(conv5, whole) == batch_variants(conv5, whole)
-    assert code_variants(conv5, whole, table_at_small_batches=True) == [(ANY_BATCH, whole)]
+    assert code_variants(conv5, whole, table_at_small_batches=True) == [batch_variants(conv5, whole)[-1]]  # fitted
     conv4 = ConvShape(512, 512, 28, 28, 3, 3, padding=(1, 1))  # 28x28: the split code wins, it stays
     assert code_variants(conv4, default_tiling(conv4), table_at_small_batches=True) == \
         batch_variants(conv4, default_tiling(conv4))

@@ -195,6 +195,10 @@ FAMILY_LAYERS = {
     "pointwise_odd_channels": (37, 19, 11, 13, 1, 1, (1, 1), (0, 0)),
     "wide_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),          # 3x3 on the pointwise family, split
     "wide_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
+    # batch 33 runs these four on tilings refitted to the waves of batch 64 (shapes.wave_fitted_tiling):
+    # wide_deep_7x7 20 channels x 640 threads, wide_14x14 52 x 512, the two below 52 x 256 and 40 x 640
+    "pointwise_deep_14x14_two_an_sm": (1024, 256, 14, 14, 1, 1, (1, 1), (0, 0)),
+    "wide_deep_14x14": (512, 512, 14, 14, 3, 3, (1, 1), (1, 1)),
     "wide_strided_14_to_7": (512, 512, 14, 14, 3, 3, (2, 2), (1, 1)),
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
     "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
@@ -213,6 +217,11 @@ FAMILY_LAYERS = {
     # the image layer: 16-channel blocks of 256 threads at batch 1 (shapes.image_layer_blocks)
     "direct_image_layer": (3, 64, 224, 224, 7, 7, (2, 2), (3, 3)),
 }
+
+
+# the families' layers whose any-batch tiling is refitted: (k_block, threads) a block
+WAVE_FITTED_LAYERS = {"wide_deep_7x7": (20, 640), "wide_14x14": (52, 512),
+                      "pointwise_deep_14x14_two_an_sm": (52, 256), "wide_deep_14x14": (40, 640)}
 
 
 def _family_shape(name):
@@ -256,6 +265,12 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
 
         assert conv.variant(1)[1].tiling == large_image_blocks(s)
         assert launch_grid(s, large_image_blocks(s), 1) == (16, 2, 1)  # 16 pixel blocks x 2 k-blocks
+    if name in WAVE_FITTED_LAYERS:
+        from sparseconv.shapes import default_tiling, wave_fitted_tiling
+
+        fitted = wave_fitted_tiling(s, default_tiling(s))
+        assert conv.variant(33)[1].tiling == fitted != default_tiling(s)
+        assert (fitted.k_block, fitted.threads) == WAVE_FITTED_LAYERS[name]
     variants = conv.stats.get("variants")
     batches = (1, 2, 33) if variants else (1, 5)
     for batch in batches:

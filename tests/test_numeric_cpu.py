@@ -233,7 +233,7 @@ FAMILY_LAYERS = {
                               Epilogue("relu6", residual=True)),
     "pw5x3_nopad": (ConvShape(3, 4, 7, 6, 5, 3), _pointwise(4, 3, 1, 32), Epilogue()),
     "pw7x7_stride2_pad3": (ConvShape(3, 4, 11, 10, 7, 7, (2, 2), (3, 3)), _pointwise(4, 1, 1, 32), Epilogue()),
-    # the wave-fitted tilings (docs/pending/wave_fitted_channels.patch) in
+    # the wave-fitted tilings (shapes.wave_fitted_tiling) in
     # miniature: a k_block that does not divide the channels (12 in blocks of
     # 5: a tail of 2) and a block of 3 warps (96 threads; the fit takes up to
     # 640), 105 pixels: a second, partial block
