@@ -338,12 +338,6 @@ def pixel_blocks(shape: ConvShape, tiling: Tiling, batch: int) -> int:
     return -(-batch * shape.out_h * shape.out_w // tiling.tile_w)
 
 
-def pointwise_blocks(shape: ConvShape, tiling: Tiling, batch: int) -> int:
-    """Pointwise family, one slice: the blocks `batch` images launch (pixel
-    blocks x k-blocks, before grouping; what the default rules count in waves)."""
-    return pixel_blocks(shape, tiling, batch) * n_kblocks(shape, tiling)
-
-
 def pixel_group(shape: ConvShape, tiling: Tiling) -> int:
     """Pointwise family: pixel blocks per group (before capping at the batch's)."""
     input_bytes = tiling.tile_w * shape.c_per_group * shape.stride[1] * 4  # a stride-2 row is read whole
@@ -641,12 +635,16 @@ NARROW_DEEP_POINTWISE_WAVE_COST = 0.6
 SMALL_GRID_BATCH = 64
 
 
+def large_batch_blocks(shape: ConvShape, tiling: Tiling) -> int:
+    """Blocks `tiling` launches at SMALL_GRID_BATCH, what the default rules
+    count: the launched grid, as the blocks that its groups round up do run
+    (session 49, run m)."""
+    return math.prod(launch_grid(shape, tiling, SMALL_GRID_BATCH))
+
+
 def large_batch_waves(shape: ConvShape, tiling: Tiling) -> int:
-    """Waves of blocks (ONE_WAVE x tiling.min_blocks slots) that `tiling`
-    launches at SMALL_GRID_BATCH, counted on the launched grid: blocks that a
-    grid's groups round up do run (session 49, run m)."""
-    gx, gy, gz = launch_grid(shape, tiling, SMALL_GRID_BATCH)
-    return -(-(gx * gy * gz) // (ONE_WAVE * tiling.min_blocks))
+    """Waves (ONE_WAVE x tiling.min_blocks slots) of large_batch_blocks."""
+    return -(-large_batch_blocks(shape, tiling) // (ONE_WAVE * tiling.min_blocks))
 
 
 def default_pointwise_tiling(shape: ConvShape) -> Tiling:
@@ -682,7 +680,7 @@ def default_pointwise_tiling(shape: ConvShape) -> Tiling:
         return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)
     elif 1 < pixels < MANY_THREADS_MIN_OUTPUT:
         t = pointwise_tiling(shape, 32, 1, 512)
-        if pointwise_blocks(shape, t, SMALL_GRID_BATCH) < ONE_WAVE // 2:
+        if large_batch_blocks(shape, t) < ONE_WAVE // 2:
             return pointwise_tiling(shape, 16, 1, 512)  # see SMALL_GRID_BATCH
         return t
     if c >= DEEP_POINTWISE_MIN_CHANNELS and pixels >= MANY_THREADS_MIN_OUTPUT:  # see there
@@ -1351,8 +1349,7 @@ def wave_fitted_tiling(shape: ConvShape, tiling: Tiling) -> Tiling:
         return tiling
 
     def cost_and_fill(t: Tiling) -> Tuple[int, float]:
-        waves = large_batch_waves(shape, t)
-        blocks = math.prod(launch_grid(shape, t, SMALL_GRID_BATCH))
+        waves, blocks = large_batch_waves(shape, t), large_batch_blocks(shape, t)
         return waves * (WAVE_FIT_FIXED_CHANNELS + t.k_block), blocks / (waves * ONE_WAVE * t.min_blocks)
 
     base_cost, base_fill = cost_and_fill(tiling)

@@ -65,24 +65,23 @@ def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
     """From 1,024 inputs a deep 1x1 takes 32-channel blocks only where their
     waves of two blocks an SM at batch 64, each counted at 0.6 of a wave of
     64-channel blocks, come to less (shapes.deep_pointwise_tiling)."""
-    from sparseconv.shapes import NARROW_DEEP_POINTWISE_WAVE_COST, SMALL_GRID_BATCH, TWO_WAVES, pointwise_blocks
+    from sparseconv.shapes import NARROW_DEEP_POINTWISE_WAVE_COST, large_batch_waves
 
     def waves(shape, k_block):
-        t = replace(default_tiling(shape), k_block=k_block)
-        return -(-pointwise_blocks(shape, t, SMALL_GRID_BATCH) // TWO_WAVES)
+        return large_batch_waves(shape, replace(default_tiling(shape), k_block=k_block))
     # (K, image): 64-channel waves, 32-channel waves, the choice
     for k, hw, wide, narrow, want in [(512, 14, 2, 3, 32),     # ResNeXt-50 layer3.x.conv1: 2 > 3 x 0.6
                                       (256, 14, 1, 2, 64),     # ResNet-50 layer3.x.conv1: 1 < 1.2
                                       (1024, 14, 3, 6, 64),    # ResNeXt-50 layer4.0.conv1: 3 < 3.6
-                                      (512, 28, 6, 12, 64)]:   # 4x the pixels: 6 < 7.2
+                                      (512, 28, 7, 13, 64)]:   # 4x the pixels, groups rounded up: 7 < 7.8
         shape = ConvShape(1024, k, hw, hw, 1, 1)
         assert (waves(shape, 64), waves(shape, 32)) == (wide, narrow), shape.describe()
         assert (narrow * NARROW_DEEP_POINTWISE_WAVE_COST < wide) == (want == 32)
         assert default_tiling(shape).k_block == want, shape.describe()
-    # below 1,024 inputs, 32 whatever the waves (here 12 x 0.6 > 6: by waves it would be 64);
+    # below 1,024 inputs, 32 whatever the waves (here 13 x 0.6 > 7: by waves it would be 64);
     # 7x7 images take their own rule
     below = ConvShape(512, 512, 28, 28, 1, 1)                 # ResNeXt-50 layer3.0.conv1
-    assert (waves(below, 64), waves(below, 32)) == (6, 12)
+    assert (waves(below, 64), waves(below, 32)) == (7, 13)
     assert default_tiling(below).k_block == 32
     assert default_tiling(ConvShape(1024, 512, 7, 7, 1, 1)).threads == 512
 
