@@ -1342,6 +1342,9 @@ def wave_fitted_tiling(shape: ConvShape, tiling: Tiling) -> Tiling:
     refitted to the waves of SMALL_GRID_BATCH images (see
     WAVE_FIT_FIXED_CHANNELS); unchanged where it is of neither kind or no
     candidate gains enough."""
+    # Not 128 threads four an SM: ResNet-50's layer4.x.conv3 at 25 channels in
+    # place of 32 fills its last wave but runs 19% slower, its blocks bound by
+    # reading their input, not their code (docs/PERFORMANCE.md, session 51).
     fits = (tiling.family == "pointwise" and shape.groups == 1 and tiling.slices == 1 and tiling.thread_w == 1
             and ((tiling.threads, tiling.min_blocks) == (512, 1) and (shape.kernel_h, shape.kernel_w) != (1, 1)
                  or (tiling.threads, tiling.min_blocks) == (256, 2)))

@@ -31,7 +31,9 @@ from .analysis import TemplateLayout
 # (run times measured with each piece's chunk counters resumed as constants, not
 # handed on: analysis._piece_steps). 24K also cut ResNet-50's layer4 3x3
 # k-blocks (~26K lines) in two, +2-4% at batch 64 for little build time, so
-# the bound sits between 26K and 41K: no ResNet-50 variant is cut.
+# the bound sits between 26K and 41K: no ResNet-50 variant is cut. 28K, which
+# cuts VGG-16's wave-fitted conv5_x k-blocks (~30K) in two, took 24 s of ptxas
+# off them but none off the 2-core cold build (session 51).
 MAX_PIECE_LINES = 32_000
 # Shared memory a block may use without opting in: the input patch plus, when
 # a k-block is split, the loop state its pieces hand on (see PieceState).
