@@ -17,7 +17,8 @@ import tempfile
 import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import Target, launch_grid, n_kblocks, variant_for_batch
+from sparseconv.shapes import Target, launch_grid, n_kblocks
+from sparseconv.tilings import variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.zoo import MODELS, model_layers
 

@@ -34,7 +34,8 @@ import numpy as np
 from sparseconv.launch import launch
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel
-from sparseconv.shapes import Epilogue, Target, variant_for_batch
+from sparseconv.shapes import Epilogue, Target
+from sparseconv.tilings import variant_for_batch
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import find_layer, pruned_model

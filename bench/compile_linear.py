@@ -22,7 +22,8 @@ import numpy as np
 from sparseconv.api import linear_shape, linear_variants
 from sparseconv.limits import LimitError, check_layer
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import ANY_BATCH, n_chunks, n_kblocks
+from sparseconv.shapes import n_chunks, n_kblocks
+from sparseconv.tilings import ANY_BATCH
 from sparseconv.testing import magnitude_prune
 
 CLASSIFIER = {"fc6": (25088, 4096), "fc7": (4096, 4096), "fc8": (4096, 1000)}

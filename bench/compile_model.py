@@ -4,7 +4,7 @@ ResNeXt-50 32x4d, MobileNetV2, MNASNet 1.0): cold, then warm.
     python bench/compile_model.py vgg16 [--sparsity 0.9] [--jobs N] [--load] [--json out.json]
 
 It builds what sparsify builds with its weight table on (no split code for
-layers whose small batches the table runs, shapes.code_variants);
+layers whose small batches the table runs, tilings.code_variants);
 --all-variants builds every variant, as `sparseconv compile` does.
 Cold = an empty cache; warm = the same build again (every layer a cache hit),
 and with --load (needs a GPU) every kernel loaded and ready to call. Prints a
@@ -23,7 +23,7 @@ import click
 from sparseconv.benchmark.output import write_atomically
 from sparseconv.cli_options import check_output_file
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import ANY_BATCH, code_variants, default_tiling
+from sparseconv.tilings import ANY_BATCH, code_variants, default_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.zoo import MODELS, pruned_model
 
@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--all-variants", action="store_true",
                    help="also the split code of layers whose small batches the weight table runs in sparsify "
-                        "(shapes.table_runs_small_batches), as `sparseconv compile` builds")
+                        "(tilings.table_runs_small_batches), as `sparseconv compile` builds")
     a = p.parse_args()
     if not 0 <= a.sparsity < 1:
         p.error(f"--sparsity must lie in [0, 1), got {a.sparsity}")
@@ -51,7 +51,7 @@ def main() -> None:
         p.error(f"--json: {exc.message}")
     a.load = a.load or a.check
     # Every batch variant of every layer, as sparsify builds them with its weight table on (the default: no
-    # split code where the table runs small batches, shapes.code_variants), or with --all-variants every one,
+    # split code where the table runs small batches, tilings.code_variants), or with --all-variants every one,
     # as compile_layers and `sparseconv compile` do.
     jobs = [LayerJob(n if up_to == ANY_BATCH else f"{n}#split", w, s, t)
             for n, s, w in pruned_model(a.model, a.sparsity)

@@ -2,7 +2,7 @@
 shape of ResNet-50 (and VGG-16's deep layers) with candidate tilings of the
 pointwise and direct families, split-K slices included, at batch 1 and 64,
 against cuDNN fp32 and TF32, all timed by CUDA-graph replays in one run.
-Used to choose the default tiling rules (sparseconv.shapes.default_tiling).
+Used to choose the default tiling rules (sparseconv.tilings.default_tiling).
 
     python bench/family_sweep.py --out results.json [--quick]
 """
@@ -18,8 +18,8 @@ import numpy as np
 
 from sparseconv.runtime import Conv2dKernel
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import (ConvShape, Target, Tiling, blocks_per_image, check_tiling, default_tiling,
-                               pointwise_tiling)
+from sparseconv.shapes import ConvShape, Target, Tiling, check_tiling
+from sparseconv.tilings import blocks_per_image, default_tiling, pointwise_tiling
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, time_gpu, torch_graph
 from sparseconv.zoo import resnet50, vgg16

@@ -38,21 +38,21 @@ FAMILY_LAYERS = {
     "family-direct-wide": ConvShape(3, 64, 32, 32, 3, 3, (1, 1), (1, 1)),
     # batch 20: 7 pixel blocks in 2 groups of 4 (shapes.launch_grid), one block past the batch
     "family-pointwise-grouped": ConvShape(1024, 256, 13, 13, 1, 1),
-    # 32 channels x 128 threads capped at 4 blocks per SM (a widening 1x1, shapes.default_pointwise_tiling)
+    # 32 channels x 128 threads capped at 4 blocks per SM (a widening 1x1, tilings.default_pointwise_tiling)
     "family-pointwise-capped": ConvShape(128, 512, 7, 7, 1, 1),
     # batch 1: 8 slices summed inside thread-block clusters (distributed shared memory)
     "family-pointwise-cluster": ConvShape(2048, 512, 7, 7, 1, 1),
     # batch 1: a direct split of 256 input channels, 4 staged a chunk
-    # (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices (64x64: smaller
-    # images take shapes.whole_image_split)
+    # (tilings.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS), 16 slices (64x64: smaller
+    # images take tilings.whole_image_split)
     "family-direct-wide-chunk": ConvShape(256, 32, 64, 64, 3, 3, (1, 1), (1, 1)),
-    # split at batch 1 as one 800-thread pointwise block over the image (shapes.whole_image_split)
+    # split at batch 1 as one 800-thread pointwise block over the image (tilings.whole_image_split)
     "family-pointwise-whole-image": ConvShape(256, 32, 28, 28, 3, 3, (1, 1), (1, 1)),
     # ... and as four such blocks over a 56x56 image
     "family-pointwise-whole-image-4": ConvShape(256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
     # ... and with 128 input channels, in 2 slices (not yet run under compute-sanitizer)
     "family-pointwise-whole-image-mid": ConvShape(128, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
-    # batch 1 in unsplit 800-thread blocks of 16 channels (shapes.large_image_blocks)
+    # batch 1 in unsplit 800-thread blocks of 16 channels (tilings.large_image_blocks)
     "family-pointwise-large-image": ConvShape(64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
 }
 

@@ -1,5 +1,5 @@
 """A tiling rule on and off inside a whole network: runs bench/network_profile.py
-(one network, one batch size) with the named rules of sparseconv.shapes
+(one network, one batch size) with the named rules of sparseconv.tilings
 switched back to what they were before, and prints one line to compare:
 graph replay, kernel sum and each conv's kernel time inside the network.
 
@@ -14,21 +14,21 @@ both settings' kernels, so after the first pass a run takes about a minute.
 
 Rules (each was measured this way before it landed):
   two-wave-splits   batch-1 splits of 64-thread blocks fill two waves
-                    (shapes.COLD_SPLIT_TWO_WAVE_MAX_THREADS), not one
+                    (tilings.COLD_SPLIT_TWO_WAVE_MAX_THREADS), not one
   direct-cluster    the direct family's slices summed in a cluster
-                    (shapes.summed_in_cluster), not by the reduction kernel
+                    (tilings.summed_in_cluster), not by the reduction kernel
   cluster-sum       any slices summed in a cluster (session 15): with it off,
                     every split adds its slices in the reduction kernel
   wide-direct-chunks  direct-family splits of 256+ input channels stage 4
-                    channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
+                    channels a chunk (tilings.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS),
                     not 2
   whole-image-split  deep 28x28- and 56x56-class k x k convs (256+ input
                     channels; 128+ where the image takes several blocks)
                     split on the pointwise family, as few blocks as cover
-                    the image (shapes.whole_image_split), not on the direct
+                    the image (tilings.whole_image_split), not on the direct
                     family
   large-image-blocks  VGG-16's 112x112 3x3 convs at batch 1 in 800-thread
-                    blocks of 16 channels (shapes.large_image_blocks), not the
+                    blocks of 16 channels (tilings.large_image_blocks), not the
                     default's 256-thread blocks of 64
   gemv              dense nn.Linear layers of 1,000+ features at batch <= 8
                     through sparseconv.gemv (gemv.MIN_GEMV_FEATURES), not
@@ -43,11 +43,11 @@ Rules (each was measured this way before it landed):
                     pixels at 4 pixels a lane and 16 warps
                     (table.VERY_LONG_CHANNEL), not table_tiling's other rules
   image-layer-blocks  the image layer (3-4 input channels) at batch 1 in
-                    16-channel blocks of 256 threads (shapes.image_layer_blocks),
+                    16-channel blocks of 256 threads (tilings.image_layer_blocks),
                     not its default direct tiling
   expanding-pointwise-blocks  expanding 1x1 convs (K >= 2C, stride 1, 28x28
                     to 56x56) at batch 1 in 16-channel blocks
-                    (shapes.expanding_pointwise_blocks), not their pointwise
+                    (tilings.expanding_pointwise_blocks), not their pointwise
                     default or its cold split
   staged-table-entries  the table kernel's entries staged in shared memory
                     before it waits on the kernel before (table.STAGE_ENTRIES),
@@ -64,36 +64,36 @@ import runpy
 import sys
 from pathlib import Path
 
-import sparseconv.shapes as shapes
+import sparseconv.tilings as tilings
 
 
 def without_two_wave_splits() -> None:
-    shapes.COLD_SPLIT_TWO_WAVE_MAX_THREADS = 0
+    tilings.COLD_SPLIT_TWO_WAVE_MAX_THREADS = 0
 
 
 def without_direct_cluster() -> None:
-    summed_in_cluster = shapes.summed_in_cluster
+    summed_in_cluster = tilings.summed_in_cluster
 
     def pointwise_only(shape, split):
         return split if split.family == "direct" else summed_in_cluster(shape, split)
 
-    shapes.summed_in_cluster = pointwise_only  # looked up at call time by small_batch_tiling
+    tilings.summed_in_cluster = pointwise_only  # looked up at call time by small_batch_tiling
 
 
 def without_cluster_sum() -> None:
-    shapes.summed_in_cluster = lambda shape, split: split
+    tilings.summed_in_cluster = lambda shape, split: split
 
 
 def without_wide_direct_chunks() -> None:
-    shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS = 1 << 30
+    tilings.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS = 1 << 30
 
 
 def without_whole_image_split() -> None:
-    shapes.whole_image_split = lambda shape: None  # looked up at call time by small_batch_tiling
+    tilings.whole_image_split = lambda shape: None  # looked up at call time by small_batch_tiling
 
 
 def without_large_image_blocks() -> None:
-    shapes.large_image_blocks = lambda shape: None  # looked up at call time by small_batch_tiling
+    tilings.large_image_blocks = lambda shape: None  # looked up at call time by small_batch_tiling
 
 
 def without_gemv() -> None:
@@ -121,7 +121,7 @@ def without_overlap_launches() -> None:
 
 
 def without_image_layer_blocks() -> None:
-    shapes.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
+    tilings.image_layer_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
 
 def without_staged_table_entries() -> None:
@@ -137,7 +137,7 @@ def without_evict_first_weights() -> None:
 
 
 def without_expanding_pointwise_blocks() -> None:
-    shapes.expanding_pointwise_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
+    tilings.expanding_pointwise_blocks = lambda shape, tiling: None  # looked up at call time by batch1_blocks
 
 
 RULES = {"two-wave-splits": without_two_wave_splits, "direct-cluster": without_direct_cluster,

@@ -188,7 +188,7 @@ def isolated_us(net: torch.nn.Module, batch: int, device: torch.device) -> Dict[
     hot (graph replays back to back) and cold (as routing times it: L2
     overwritten, then the inputs read back, before each call; timing.time_cold),
     with its code size (bytes of the variant's cubin)."""
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
     from sparseconv.timing import l2_flush, l2_scratch_floats, time_cold, time_gpu, torch_graph
 
     junk = torch.empty(l2_scratch_floats(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)),

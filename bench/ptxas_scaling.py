@@ -28,7 +28,8 @@ import numpy as np
 from sparseconv.assemble import assemble_cubin, split_module
 from sparseconv.compile import compile_to_ptx, find_tool
 from sparseconv.render import render
-from sparseconv.shapes import ConvShape, Target, default_tiling
+from sparseconv.shapes import ConvShape, Target
+from sparseconv.tilings import default_tiling
 from sparseconv.specialise import analyse_template, specialise
 from sparseconv.zoo import pruned_model
 

@@ -5,7 +5,7 @@ reduction kernel alone, timed by CUDA-graph replays at one batch size.
 
     python bench/split_probe.py --layers resnet50:layer4.1.conv1 --cands default,default:O1,64x64x16:O1 --out probe.json
 
-A candidate "default" is the variant the rules build (shapes.batch_variants).
+A candidate "default" is the variant the rules build (tilings.batch_variants).
 With --no-time the script only runs each kernel a few times (for ncu).
 With --cold each call is also timed with L2 overwritten and x read back
 first, as a layer meets it inside a network (timing.time_cold).
@@ -42,8 +42,8 @@ import numpy as np
 from sparseconv.compile import ToolNotFoundError, find_tool
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel, reduce_slices
-from sparseconv.shapes import (Epilogue, Target, check_tiling, default_direct_tiling, kernel_shape, pointwise_tiling,
-                               tiling_for, variant_for_batch)
+from sparseconv.shapes import Epilogue, Target, check_tiling, kernel_shape
+from sparseconv.tilings import default_direct_tiling, pointwise_tiling, tiling_for, variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu
 from sparseconv.zoo import find_layer, pruned_model
@@ -52,7 +52,7 @@ from sparseconv.zoo import find_layer, pruned_model
 def parse_cand(shape, text: str, batch: int):
     """"default", "direct" (the direct family's default and its split variant
     for this batch), "d" k_block x outputs a thread along W x threads (the
-    direct family, unsplit: shapes.tiling_for, e.g. d8x2x128) or
+    direct family, unsplit: tilings.tiling_for, e.g. d8x2x128) or
     k_block x threads x slices[x c_block] (the pointwise family; on a depthwise layer
     c_block groups a block, shapes.kernel_shape), each with optional
     suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:

@@ -25,7 +25,8 @@ from sparseconv.build import build_conv2d
 from sparseconv.cache import ArtifactCache
 from sparseconv.runtime import Conv2dKernel
 from sparseconv.operators import benchmark_operators
-from sparseconv.shapes import candidate_tilings, check_tiling, default_tiling, tiling_for
+from sparseconv.shapes import check_tiling
+from sparseconv.tilings import candidate_tilings, default_tiling, tiling_for
 from sparseconv.timing import median_us
 
 

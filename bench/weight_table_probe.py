@@ -37,7 +37,8 @@ import numpy as np
 
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.runtime import Conv2dKernel
-from sparseconv.shapes import Epilogue, Target, variant_for_batch
+from sparseconv.shapes import Epilogue, Target
+from sparseconv.tilings import variant_for_batch
 from sparseconv.table import TableConv2d, TableTiling, table_tiling
 from sparseconv.testing import conv2d_reference, relative_l2
 from sparseconv.timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold, time_gpu

@@ -30,7 +30,7 @@ _PUBLIC = {
     "TableConv2d": "table",
     "compile_model": "onnx_compile", "SparseModel": "runner",
     "build_conv2d": "build", "CompiledLayer": "build",
-    "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "shapes",
+    "ConvShape": "shapes", "Tiling": "shapes", "Target": "shapes", "default_tiling": "tilings",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -19,8 +19,9 @@ from .limits import check_layer
 from .parallel import LayerJob, build_many
 from .progress import StepLine, ptxas_counter
 from .runtime import Conv2dKernel, DenseConv2dKernel, LinearKernel, device_target
-from .shapes import (ANY_BATCH, ConvShape, Epilogue, IntPair, Target, Tiling, batch_variants, code_variants,
-                     default_tiling, pointwise_tiling, shape_from_weight, small_batch_tiling, split_batch_limit)
+from .shapes import ConvShape, Epilogue, IntPair, Target, Tiling, shape_from_weight
+from .tilings import (ANY_BATCH, batch_variants, code_variants, default_tiling, pointwise_tiling, small_batch_tiling,
+                      split_batch_limit)
 from .tune import DENSE, tune_conv2d
 
 
@@ -87,7 +88,7 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     With the default tiling, a layer that gives too few blocks at small
     batches to fill the GPU also gets a variant with the input-channel
     reduction split over blocks (deterministic), used up to a batch size
-    (kernel.stats["variants"]; shapes.batch_variants).
+    (kernel.stats["variants"]; tilings.batch_variants).
 
     tiling: None (the default heuristic), a Tiling, or "auto": time a bounded
     set of candidate tilings at batch `tune_batch` and keep the fastest.
@@ -146,13 +147,13 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
 #
 # A Linear layer y = x @ W.T + b is a 1x1 conv on a 1x1 input: ConvShape(in, out,
 # 1, 1, 1, 1), the batch as the pixels of the pointwise family. Its tiling
-# differs from a 1x1 conv's default (shapes.default_pointwise_tiling) in the
+# differs from a 1x1 conv's default (tilings.default_pointwise_tiling) in the
 # threads per block only. That default gives deep layers 512 threads, one pixel
 # each, so that many warps share the straight-line code; but a Linear layer has
 # one pixel per image, and a thread whose pixel is past the batch still walks
 # the whole body (it loads pixel 0 and stores nothing). At batch 64, 448 of 512
 # threads would do nothing but issue. So: 32 threads (one warp) for the small-
-# batch variant with the reduction split over blocks (shapes.small_batch_tiling, up
+# batch variant with the reduction split over blocks (tilings.small_batch_tiling, up
 # to batch 16), and 64 threads for any batch. Output channels per block as in
 # the pointwise default (128 where K <= 128, else 64). Not measured on a GPU
 # yet: sparsify routes each layer to cuBLAS where it is faster, and
@@ -168,7 +169,7 @@ def linear_shape(in_features: int, out_features: int) -> ConvShape:
 
 def linear_variants(shape: ConvShape) -> List[Tuple[int, Tiling]]:
     """The tilings a Linear layer (linear_shape) is built with, each for
-    batches up to a size, as shapes.batch_variants: a split variant for small
+    batches up to a size, as tilings.batch_variants: a split variant for small
     batches where the reduction is long enough to split, then one for any
     batch (see the comment above)."""
     k_block = 128 if shape.k_per_group <= 128 else 64
@@ -267,7 +268,7 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
                    table_layers: Collection[str] = ()) -> Dict[str, Union[Conv2dKernel, LinearKernel]]:
     """Compile and load many (name, weight, bias, shape) layers on the current
     GPU; name -> kernel. Without tuning they build in parallel (a process pool),
-    every batch variant of every layer (shapes.batch_variants); with
+    every batch variant of every layer (tilings.batch_variants); with
     tiling="auto" or backend="auto" each layer's candidates build in parallel,
     one layer after another, then are timed. `progress` (default on): a bar
     or a line on stderr that names the layer being built or tuned.
@@ -276,8 +277,8 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
     of fully connected layers (weight (out, in) or (out, in, 1, 1), shape
     linear_shape(in, out)): built with linear_variants, returned as LinearKernel.
     `table_layers`: the names of convs whose small batches the caller will
-    time through the weight table; those that shapes.table_runs_small_batches
-    takes are built without their small-batch variant (shapes.code_variants)."""
+    time through the weight table; those that tilings.table_runs_small_batches
+    takes are built without their small-batch variant (tilings.code_variants)."""
     epilogues = epilogues or {}
     kernels: Dict[str, Union[Conv2dKernel, LinearKernel]] = {}
     for name, w, _, shape in layers:

@@ -19,8 +19,9 @@ from .assemble import assemble_cubin, have_ptxas
 from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
-from .shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, launch_grid, max_batch_per_launch,
-                     dynamic_shared_bytes, kernel_shape, n_chunks, n_kblocks)
+from .shapes import (ConvShape, Epilogue, Target, Tiling, launch_grid, max_batch_per_launch, dynamic_shared_bytes,
+                     kernel_shape, n_chunks, n_kblocks)
+from .tilings import default_tiling
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key

@@ -215,7 +215,7 @@ def inspect(model: Path, fmt: Optional[str], spec_path: Optional[Path], input_si
                 tiling = check_layer(layer.shape)
             except ValueError as exc:  # compile would refuse it: say so here
                 action = "refused: " + str(exc).split(": ", 1)[-1]
-            else:  # the kernel family its any-batch variant takes (shapes.default_tiling)
+            else:  # the kernel family its any-batch variant takes (tilings.default_tiling)
                 action = f"compile ({tiling.family}, {tiling.threads} threads)"
         click.echo(f"{layer.name[:32]:32s} {_describe(layer)[:34]:34s} {layer.sparsity:8.3f} "
                    f"{int(np.count_nonzero(layer.weight)):>10d}  {action}")

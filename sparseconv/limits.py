@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .shapes import ConvShape, Tiling, check_tiling, default_tiling, n_chunks, n_kblocks
+from .shapes import ConvShape, Tiling, check_tiling, n_chunks, n_kblocks
+from .tilings import default_tiling
 
 MAX_INDEX = 2 ** 31 - 1
 MAX_GRID_Y = 65535

@@ -38,7 +38,8 @@ from .build import CompiledLayer, sources_changed_since_import
 from .build_worker import build_one
 from .cache import ArtifactCache
 from .limits import check_layer
-from .shapes import ConvShape, Epilogue, Target, Tiling, default_tiling
+from .shapes import ConvShape, Epilogue, Target, Tiling
+from .tilings import default_tiling
 
 
 @dataclass(frozen=True)

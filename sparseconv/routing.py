@@ -15,7 +15,7 @@ from collections import abc
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from .shapes import ANY_BATCH
+from .tilings import ANY_BATCH
 
 SPARSE, DENSE, TABLE = "sparseconv", "dense", "table"
 Route = List[Tuple[int, str]]

@@ -35,7 +35,8 @@ from .build import CompiledLayer
 from .dense import dense_conv2d
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch_raw
 from .ptx import ptx_version
-from .shapes import ANY_BATCH, MAX_PATCH_BYTES, ConvShape, Target
+from .shapes import MAX_PATCH_BYTES, ConvShape, Target
+from .tilings import ANY_BATCH
 
 
 

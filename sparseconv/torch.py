@@ -33,7 +33,8 @@ from .fx import (MAX_LINEAR_WEIGHTS, ConvPlan, FusedConv2d, FusedLinear, LinearO
 from .gemv import MAX_GEMV_BATCH, SparseLinearTable
 from .progress import StepLine
 from .routing import check_route_batches, choose_route, route_from_choices, timing_label
-from .shapes import ANY_BATCH, Epilogue, table_runs_small_batches
+from .shapes import Epilogue
+from .tilings import ANY_BATCH, table_runs_small_batches
 from .table import MAX_TABLE_BATCH, routable_table, table_timed
 from .timing import one_line
 from .tune import DENSE, SPARSE_EVENTS
@@ -167,7 +168,7 @@ def small_batch_table_layers(convs: Dict[str, Any], shapes: Dict[str, Any], rout
                              table: bool) -> List[str]:
     """The convs whose small batches route_by_batch will time through the
     weight table (table on, table.table_timed) and the table is known to win
-    there (shapes.table_runs_small_batches): built without their split code."""
+    there (tilings.table_runs_small_batches): built without their split code."""
     if not (table and route_batches):
         return []
     return [name for name, m in convs.items() if isinstance(m, FusedConv2d)
@@ -293,7 +294,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     and routes those batch sizes to it where it is the fastest. Deep convs
     larger than 1x1 on images of 14x14 or less (VGG-16's conv5_x, ResNet-50's
     layer4.x.conv2), where the table has beaten the split code in every run,
-    are then built without that code (shapes.table_runs_small_batches): a
+    are then built without that code (tilings.table_runs_small_batches): a
     shorter build, and the plan says so.
 
     linear=True (default) also compiles each nn.Linear that is called once on
@@ -370,7 +371,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
             action = "mixed" if len(paths) > 1 else paths.pop()
             reason = routed[p.name]
             if p.name in table_layers:
-                reason += "; no split code built for small batches (shapes.table_runs_small_batches)"
+                reason += "; no split code built for small batches (tilings.table_runs_small_batches)"
             plans[i] = replace(p, action=action, reason=reason)
     skipped = skip_identity_pools(result) if pools and isinstance(result, torch.fx.GraphModule) else []
     pooled = swap_max_pools(result) if pools else []

@@ -31,7 +31,8 @@ from .build import SPECIALISER_FINGERPRINT, CompiledLayer, build_conv2d
 from .cache import ArtifactCache, cache_key
 from .dense import dense_conv2d
 from .runtime import Conv2dKernel
-from .shapes import ConvShape, Epilogue, Target, Tiling, candidate_tilings, default_tiling
+from .shapes import ConvShape, Epilogue, Target, Tiling
+from .tilings import candidate_tilings, default_tiling
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, median_us, time_cold
 
 SPARSE, DENSE = "sparseconv", "dense"
@@ -62,7 +63,7 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
                 cache: ArtifactCache, name: str, batch: int = 64, tilings: Optional[List[Tiling]] = None,
                 consider_dense: bool = False, jobs: Optional[int] = None,
                 epilogue: Epilogue = Epilogue(), progress: bool = False) -> Tuple[CompiledLayer, TuningResult]:
-    """Time each candidate tiling (default: shapes.candidate_tilings plus the
+    """Time each candidate tiling (default: tilings.candidate_tilings plus the
     default) and, with consider_dense, cuDNN strict fp32; return the fastest
     sparse build and the choice. Needs a GPU (the current CuPy device).
     progress: the candidates' build bar on stderr."""

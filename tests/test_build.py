@@ -138,7 +138,8 @@ def test_build_order_puts_each_template_before_its_repeats():
     (shape, tiling, epilogue) before the repeats, so two workers do not run
     nvcc on one template at once (parallel.build_order)."""
     from sparseconv.parallel import LayerJob, build_order
-    from sparseconv.shapes import Epilogue, default_tiling
+    from sparseconv.shapes import Epilogue
+    from sparseconv.tilings import default_tiling
 
     deep, narrow = ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)), ConvShape(64, 64, 7, 7, 1, 1)
     w, small = np.ones(deep.weight_shape, np.float32), np.ones(narrow.weight_shape, np.float32)

@@ -1,4 +1,4 @@
-"""CPU: the kernel-family records and rules in sparseconv.shapes: tilings of
+"""CPU: the kernel-family records (sparseconv.shapes) and rules (sparseconv.tilings): tilings of
 each family, split-K variants, batch variants, launch grids, the epilogue."""
 import math
 from dataclasses import replace
@@ -7,20 +7,21 @@ import pytest
 
 from sparseconv.render import epilogue_code, render, template_name
 import sparseconv.shapes as shapes
-from sparseconv.shapes import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_WAVE_MAX_THREADS, L2_GROUP_BYTES,
-                               MAX_GRID_Z, MAX_SPLIT_BATCH, ONE_WAVE,
-                               SMALL_BATCH_POINTWISE_OUTPUT, ConvShape, Epilogue, Tiling, batch_variants,
-                               blocks_per_image, candidate_tilings, check_tiling, default_direct_tiling, default_tiling,
-                               launch_grid, max_batch_per_launch, n_chunks, n_kblocks, padded_channels,
-                               patch_buffer_bytes, pixel_blocks, pixel_group, pointwise_tiling, small_batch_tiling)
-from sparseconv.shapes import (CLUSTER_WAVE_SMS, MAX_PATCH_BYTES, SPLIT_DIRECT_WIDE_C_BLOCK,
-                               SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_C_BLOCK,
-                               WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MAX_THREADS,
-                               WHOLE_IMAGE_SPLIT_MID_CHANNELS, WHOLE_IMAGE_SPLIT_MID_SLICES,
-                               WHOLE_IMAGE_SPLIT_MIN_CHANNELS, WHOLE_IMAGE_SPLIT_SLICES,
-                               large_image_blocks, register_resident_blocks,
-                               summed_in_cluster, variant_for_batch, whole_image_split,
-                               widest_fitting_chunk)
+import sparseconv.tilings as tilings
+from sparseconv.shapes import (L2_GROUP_BYTES, MAX_GRID_Z, ConvShape, Epilogue, Tiling, check_tiling, launch_grid,
+                               max_batch_per_launch, n_chunks, n_kblocks, padded_channels, patch_buffer_bytes,
+                               pixel_blocks, pixel_group)
+from sparseconv.tilings import ONE_WAVE
+from sparseconv.tilings import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_WAVE_MAX_THREADS, MAX_SPLIT_BATCH,
+                                SMALL_BATCH_POINTWISE_OUTPUT, batch_variants, blocks_per_image, candidate_tilings,
+                                default_direct_tiling, default_tiling, pointwise_tiling, small_batch_tiling)
+from sparseconv.shapes import MAX_PATCH_BYTES
+from sparseconv.tilings import (WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MID_CHANNELS,
+                                WHOLE_IMAGE_SPLIT_MID_SLICES, WHOLE_IMAGE_SPLIT_SLICES)
+from sparseconv.tilings import (CLUSTER_WAVE_SMS, SPLIT_DIRECT_WIDE_C_BLOCK, SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS,
+                                WHOLE_IMAGE_SPLIT_MAX_THREADS, WHOLE_IMAGE_SPLIT_MIN_CHANNELS, large_image_blocks,
+                                register_resident_blocks, summed_in_cluster, variant_for_batch, whole_image_split,
+                                widest_fitting_chunk)
 from sparseconv.zoo import mnasnet1_0, mobilenet_v2, resnet50, resnext50, vgg16
 
 
@@ -40,7 +41,7 @@ def test_1x1_convs_get_the_pointwise_family_by_depth():
 def test_1x1_exceptions_chosen_on_cold_times():
     """Widening layers from 128 inputs: 32 channels x 128 threads, 4 blocks
     per SM; strided from 512 inputs: 64 x 256, 2 blocks per SM; 7x7 images:
-    32 x 512 (shapes.default_pointwise_tiling)."""
+    32 x 512 (tilings.default_pointwise_tiling)."""
     rows = {ConvShape(128, 512, 28, 28, 1, 1): (32, 128, 4),              # layer2.x.conv3
             ConvShape(512, 2048, 7, 7, 1, 1): (32, 128, 4),               # layer4.x.conv3
             ConvShape(64, 256, 56, 56, 1, 1): (64, 128, 1),               # layer1.x.conv3: old rule
@@ -64,8 +65,8 @@ def test_1x1_exceptions_chosen_on_cold_times():
 def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
     """From 1,024 inputs a deep 1x1 takes 32-channel blocks only where their
     waves of two blocks an SM at batch 64, each counted at 0.6 of a wave of
-    64-channel blocks, come to less (shapes.deep_pointwise_tiling)."""
-    from sparseconv.shapes import NARROW_DEEP_POINTWISE_WAVE_COST, large_batch_waves
+    64-channel blocks, come to less (tilings.deep_pointwise_tiling)."""
+    from sparseconv.tilings import NARROW_DEEP_POINTWISE_WAVE_COST, large_batch_waves
 
     def waves(shape, k_block):
         return large_batch_waves(shape, replace(default_tiling(shape), k_block=k_block))
@@ -89,10 +90,10 @@ def test_deep_1x1_with_1024_inputs_takes_32_or_64_channels_by_waves():
 def test_deep_defaults_are_refitted_to_the_waves_of_batch_64_only_where_a_wave_was_short():
     """The any-batch tiling of a deep pointwise default takes fewer output
     channels (and at one block an SM up to 640 threads) where that fills the
-    waves of batch 64 with less code a block (shapes.wave_fitted_tiling); the
+    waves of batch 64 with less code a block (tilings.wave_fitted_tiling); the
     layers probed in session 49, and those left as they were."""
-    from sparseconv.shapes import (SMALL_GRID_BATCH, WAVE_FIT_MAX_THREADS, WAVE_FIT_OTHER_REGISTERS,
-                                   code_variants, large_batch_waves as waves, wave_fitted_tiling)
+    from sparseconv.tilings import (SMALL_GRID_BATCH, WAVE_FIT_MAX_THREADS, WAVE_FIT_OTHER_REGISTERS, code_variants,
+                                    large_batch_waves as waves, wave_fitted_tiling)
 
     layers = {**{f"resnet50:{n}": s for n, s in resnet50()}, **{f"vgg16:{n}": s for n, s in vgg16()}}
     # layer: (k_block, threads, blocks at batch 64) before -> after
@@ -149,7 +150,7 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
             (ConvShape(8, 8, 9, 9, 3, 3, groups=8), 1, 256, 1, 1),                          # unpadded: no tap tests
             (ConvShape(8, 16, 15, 15, 3, 3, (2, 2), (1, 1), groups=8), 2, 256, 1, 1),     # multiplier 2
             (ConvShape(4, 64, 9, 9, 3, 3, padding=(1, 1), groups=4), 8, 256, 1, 1)]:      # 16 a group
-        assert shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
+        assert tilings.is_depthwise(shape) and not tilings.is_shallow_grouped(shape)
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == \
             ("pointwise", k_block, groups_a_block, threads, pixels), shape.describe()
@@ -174,7 +175,7 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
             (ConvShape(72, 72, 56, 56, 5, 5, (2, 2), (2, 2), groups=72), 4, 1, 2),
             (ConvShape(90, 90, 28, 28, 5, 5, padding=(2, 2), groups=90), 1, 2, 1),    # 2 divides, 4 does not
             (ConvShape(6, 6, 14, 14, 5, 5, padding=(2, 2), groups=6), 1, 1, 1)]:
-        assert shapes.is_depthwise(shape), shape.describe()
+        assert tilings.is_depthwise(shape), shape.describe()
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.c_block, t.thread_w, t.min_blocks) == \
             ("pointwise", groups_a_block, groups_a_block, pixels, min_blocks), shape.describe()
@@ -183,7 +184,7 @@ def test_depthwise_convs_get_the_pointwise_family_with_the_batch_in_the_pixels()
     assert [default_tiling(s).c_block for _, s in mnasnet1_0() if s.kernel_h == 5] == [4] * 10
     assert [default_tiling(s).family for _, s in mnasnet1_0() if s.kernel_h == 5] == ["pointwise"] * 10
     shape = ConvShape(32, 32, 28, 28, 7, 7, padding=(3, 3), groups=32)
-    assert not shapes.is_depthwise(shape) and not shapes.is_shallow_grouped(shape)
+    assert not tilings.is_depthwise(shape) and not tilings.is_shallow_grouped(shape)
     assert default_tiling(shape).family == "direct"
 
 
@@ -199,17 +200,17 @@ def test_shallow_grouped_convs_get_the_pointwise_family():
             (ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1), groups=32), 16, 16, 512),    # layer3.x.conv2
             # 64 output channels a group: blocks of 32, and the body bound halves the chunk
             (ConvShape(32, 128, 20, 20, 3, 3, padding=(1, 1), groups=2), 32, 8, 512)]:
-        assert shapes.is_shallow_grouped(shape) and not shapes.is_depthwise(shape)
+        assert tilings.is_shallow_grouped(shape) and not tilings.is_depthwise(shape)
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.c_block, t.threads, t.thread_w) == \
             ("pointwise", k_block, c_block, threads, 1), shape.describe()
         check_tiling(shape, t)
         assert launch_grid(shape, t, 64)[1] == n_kblocks(shape, t) == shape.groups * (shape.k_per_group // k_block)
     deep = ConvShape(1024, 1024, 7, 7, 3, 3, padding=(1, 1), groups=32)  # layer4.x.conv2: 288 MACs an output
-    assert not shapes.is_shallow_grouped(deep) and default_tiling(deep).family == "pointwise"
+    assert not tilings.is_shallow_grouped(deep) and default_tiling(deep).family == "pointwise"
     for shape in [ConvShape(32, 32, 28, 28, 5, 5, padding=(2, 2), groups=8),      # 25 taps
                   ConvShape(256, 256, 28, 28, 3, 3, padding=(1, 1), groups=2)]:   # 128 a group: deep
-        assert not shapes.is_shallow_grouped(shape)
+        assert not tilings.is_shallow_grouped(shape)
     grouped = [s for _, s in resnext50() if s.groups > 1]
     assert len(grouped) == 16 and all(default_tiling(s).family == "pointwise" for s in grouped)
 
@@ -218,16 +219,16 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
     """Deep 3x3 convs with outputs up to 28x28 take the pointwise family at
     large batches: 512 threads where strided or 256+ channels (32 output
     channels a block at 7x7, to fill a wave), else 128 threads x 32 channels
-    at 4 blocks per SM (measured cold, shapes.default_tiling); shallow layers
+    at 4 blocks per SM (measured cold, tilings.default_tiling); shallow layers
     and large kernels stay direct."""
-    tilings = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): (32, 512, 8),     # layer4.1.conv2: 7x7
+    expected = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): (32, 512, 8),     # layer4.1.conv2: 7x7
                ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1)): (32, 512, 8),   # layer4.0.conv2: 14 -> 7
                ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # layer3.1.conv2
                ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): (64, 512, 4),   # layer3.0.conv2: strided
                ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # VGG-16 conv5_x
                ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): (32, 128, 8),   # layer2.1.conv2
                ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 512, 4)}   # VGG-16 conv4_2
-    for shape, (k_block, threads, c_block) in tilings.items():
+    for shape, (k_block, threads, c_block) in expected.items():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", k_block, threads, c_block)
         assert t.min_blocks == (4 if threads == 128 else 1)
@@ -400,7 +401,7 @@ def test_batch_variants_end_with_one_for_any_batch():
         if len(variants) == 2:
             up_to, split = variants[0]
             assert 1 <= up_to <= MAX_SPLIT_BATCH
-            if split == shapes.batch1_blocks(shape, default_tiling(shape)):  # smaller blocks at batch 1
+            if split == tilings.batch1_blocks(shape, default_tiling(shape)):  # smaller blocks at batch 1
                 assert up_to == 1 and split.slices == 1
                 continue
             assert split.slices > 1 or split == large_image_blocks(shape)  # smaller blocks, not split
@@ -408,7 +409,7 @@ def test_batch_variants_end_with_one_for_any_batch():
 
 
 def test_the_image_layer_takes_16_channel_blocks_of_256_threads_at_batch_1_only():
-    from sparseconv.shapes import default_direct_tiling, image_layer_blocks, variant_for_batch
+    from sparseconv.tilings import default_direct_tiling, image_layer_blocks, variant_for_batch
 
     r50, vgg = dict(resnet50()), dict(vgg16())
     for s in (r50["conv1"], vgg["conv1_1"]):
@@ -428,7 +429,7 @@ def test_the_image_layer_takes_16_channel_blocks_of_256_threads_at_batch_1_only(
 
 
 def test_expanding_1x1_convs_take_16_channel_blocks_in_one_wave_at_batch_1_only():
-    from sparseconv.shapes import default_pointwise_tiling, expanding_pointwise_blocks, variant_for_batch
+    from sparseconv.tilings import default_pointwise_tiling, expanding_pointwise_blocks, variant_for_batch
 
     r50 = dict(resnet50())
     # layer1's conv3 and first downsample (64 -> 256, 56x56): 512 threads, 7 x 16 blocks;
@@ -474,7 +475,7 @@ def test_each_family_renders_its_own_template():
 
 
 def test_variant_for_batch_picks_the_split_variant_only_for_small_batches():
-    from sparseconv.shapes import variant_for_batch
+    from sparseconv.tilings import variant_for_batch
 
     deep = ConvShape(2048, 512, 7, 7, 1, 1)
     (up_to, split), (_, full) = batch_variants(deep, default_tiling(deep))
@@ -511,7 +512,7 @@ def test_tuning_candidates_of_a_deep_3x3_include_512_pointwise_threads():
 
 
 def test_slices_summed_in_a_cluster_where_measured_faster():
-    """The rule (shapes.summed_in_cluster, measured on the H100 in session 15):
+    """The rule (tilings.summed_in_cluster, measured on the H100 in session 15):
     pointwise splits whose SM holds two or more blocks, or clusters of 2, sum
     in a cluster, the direct family too (2 blocks an SM); one 224-256-thread
     block an SM with more slices and grids of more clusters than one wave
@@ -675,7 +676,7 @@ def test_padded_taps_take_a_test_a_load_only_where_a_group_has_few_loads():
 
 
 def test_7x7_pointwise_convs_of_under_half_a_wave_take_16_channel_blocks():
-    """shapes.SMALL_GRID_BATCH: a 7x7 1x1 conv whose 32-channel blocks are
+    """tilings.SMALL_GRID_BATCH: a 7x7 1x1 conv whose 32-channel blocks are
     under half a wave at batch 64 takes 16-channel blocks (session 44's
     probe); with more blocks it keeps 32 (those were slower at 16)."""
     layers = dict(mnasnet1_0()) | {f"v2:{n}": s for n, s in mobilenet_v2()} | {f"r50:{n}": s for n, s in resnet50()}
@@ -708,7 +709,7 @@ def test_the_table_runs_small_batches_of_deep_convs_on_small_images():
     """Exactly VGG-16's conv5_x and ResNet-50's layer4.x.conv2 among the five
     zoo networks; code_variants then drops their split variant, and only
     where the caller times the table."""
-    from sparseconv.shapes import code_variants, table_runs_small_batches
+    from sparseconv.tilings import code_variants, table_runs_small_batches
 
     taken = sorted(f"{net}:{name}" for net, layers in
                    (("resnet50", resnet50()), ("vgg16", vgg16()), ("resnext50", resnext50()),

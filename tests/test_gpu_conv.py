@@ -186,7 +186,7 @@ def test_call_time_checks(session_cache_dir):
 
 FAMILY_LAYERS = {
     # name: ConvShape args (C, K, H, W, R, S, stride, padding): real-network classes
-    # ResNet layer1 1x1; at batch 1 16-channel blocks of 512 threads (shapes.expanding_pointwise_blocks)
+    # ResNet layer1 1x1; at batch 1 16-channel blocks of 512 threads (tilings.expanding_pointwise_blocks)
     "pointwise_56": (64, 256, 56, 56, 1, 1, (1, 1), (0, 0)),
     "pointwise_downsample_s2": (512, 1024, 28, 28, 1, 1, (2, 2), (0, 0)),
     "pointwise_deep_7x7": (2048, 512, 7, 7, 1, 1, (1, 1), (0, 0)),    # split variant at small batch
@@ -195,26 +195,26 @@ FAMILY_LAYERS = {
     "pointwise_odd_channels": (37, 19, 11, 13, 1, 1, (1, 1), (0, 0)),
     "wide_deep_7x7": (512, 512, 7, 7, 3, 3, (1, 1), (1, 1)),          # 3x3 on the pointwise family, split
     "wide_14x14": (256, 256, 14, 14, 3, 3, (1, 1), (1, 1)),
-    # batch 33 runs these four on tilings refitted to the waves of batch 64 (shapes.wave_fitted_tiling):
+    # batch 33 runs these four on tilings refitted to the waves of batch 64 (tilings.wave_fitted_tiling):
     # wide_deep_7x7 20 channels x 640 threads, wide_14x14 52 x 512, the two below 52 x 256 and 40 x 640
     "pointwise_deep_14x14_two_an_sm": (1024, 256, 14, 14, 1, 1, (1, 1), (0, 0)),
     "wide_deep_14x14": (512, 512, 14, 14, 3, 3, (1, 1), (1, 1)),
     "wide_strided_14_to_7": (512, 512, 14, 14, 3, 3, (2, 2), (1, 1)),
     "mixed_28x28": (128, 128, 28, 28, 3, 3, (1, 1), (1, 1)),           # pointwise, its split variant direct
     "mixed_56x56": (64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),             # pointwise, its split variant direct
-    # its split variant direct with 4 channels a chunk (shapes.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS)
-    # (64x64: at 56x56 and below, 256 channels take shapes.whole_image_split)
+    # its split variant direct with 4 channels a chunk (tilings.SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS)
+    # (64x64: at 56x56 and below, 256 channels take tilings.whole_image_split)
     "mixed_64x64_wide_chunk": (256, 64, 64, 64, 3, 3, (1, 1), (1, 1)),
-    # its split variant one 800-thread pointwise block over the image (shapes.whole_image_split)
+    # its split variant one 800-thread pointwise block over the image (tilings.whole_image_split)
     "deep_28x28_whole_image": (256, 64, 28, 28, 3, 3, (1, 1), (1, 1)),
     # ... and four such blocks over the 56x56 image
     "deep_56x56_whole_image": (256, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
     # ... and with 128 input channels, in 2 slices
     "mid_56x56_whole_image": (128, 32, 56, 56, 3, 3, (1, 1), (1, 1)),
-    # its batch-1 variant 800-thread blocks of 16 channels, unsplit (shapes.large_image_blocks)
+    # its batch-1 variant 800-thread blocks of 16 channels, unsplit (tilings.large_image_blocks)
     "mid_112x112_large_image": (64, 32, 112, 112, 3, 3, (1, 1), (1, 1)),
     "direct_56x56": (32, 32, 56, 56, 3, 3, (1, 1), (1, 1)),            # split variant at small batch
-    # the image layer: 16-channel blocks of 256 threads at batch 1 (shapes.image_layer_blocks)
+    # the image layer: 16-channel blocks of 256 threads at batch 1 (tilings.image_layer_blocks)
     "direct_image_layer": (3, 64, 224, 224, 7, 7, (2, 2), (3, 3)),
 }
 
@@ -242,31 +242,31 @@ def test_kernel_families_and_their_batch_variants(name, session_cache_dir):
     conv = sparseconv.compile_conv2d(w, input_size=(s.in_h, s.in_w), bias=bias, stride=s.stride, padding=s.padding,
                                      cache_dir=str(session_cache_dir), name=name)
     assert conv.layer.tiling.family == ("direct" if name.startswith("direct") else "pointwise")
-    if name.startswith("mixed"):  # measured faster split on the direct family (shapes.SMALL_BATCH_POINTWISE_OUTPUT)
+    if name.startswith("mixed"):  # measured faster split on the direct family (tilings.SMALL_BATCH_POINTWISE_OUTPUT)
         assert conv.variant(1)[1].tiling.family == "direct"
         assert conv.variant(1)[1].tiling.c_block == (4 if name.endswith("wide_chunk") else 2)
     if name.endswith("whole_image"):
-        from sparseconv.shapes import whole_image_split
+        from sparseconv.tilings import whole_image_split
 
         assert conv.variant(1)[1].tiling == whole_image_split(s) and whole_image_split(s).threads == 800
         assert launch_grid(s, whole_image_split(s), 1)[0] == (1 if s.out_h == 28 else 4)  # pixel blocks
     if name.endswith("image_layer"):
-        from sparseconv.shapes import default_tiling, image_layer_blocks
+        from sparseconv.tilings import default_tiling, image_layer_blocks
 
         assert conv.variant(1)[1].tiling == image_layer_blocks(s, default_tiling(s))
         assert conv.variant(2)[1].tiling == default_tiling(s)
     if name == "pointwise_56":
-        from sparseconv.shapes import default_tiling, expanding_pointwise_blocks
+        from sparseconv.tilings import default_tiling, expanding_pointwise_blocks
 
         assert conv.variant(1)[1].tiling == expanding_pointwise_blocks(s, default_tiling(s))
         assert conv.variant(1)[1].tiling.threads == 512 and conv.variant(2)[1].tiling == default_tiling(s)
     if name.endswith("large_image"):
-        from sparseconv.shapes import large_image_blocks
+        from sparseconv.tilings import large_image_blocks
 
         assert conv.variant(1)[1].tiling == large_image_blocks(s)
         assert launch_grid(s, large_image_blocks(s), 1) == (16, 2, 1)  # 16 pixel blocks x 2 k-blocks
     if name in WAVE_FITTED_LAYERS:
-        from sparseconv.shapes import default_tiling, wave_fitted_tiling
+        from sparseconv.tilings import default_tiling, wave_fitted_tiling
 
         fitted = wave_fitted_tiling(s, default_tiling(s))
         assert conv.variant(33)[1].tiling == fitted != default_tiling(s)
@@ -339,7 +339,7 @@ def test_cluster_sum_matches_reference_and_the_workspace_sum(name, session_cache
     import cupy as cp
     from dataclasses import replace
 
-    from sparseconv.shapes import variant_for_batch
+    from sparseconv.tilings import variant_for_batch
 
     rng = np.random.default_rng()
     s = _family_shape(name)

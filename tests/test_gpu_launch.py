@@ -107,7 +107,7 @@ def test_pointer_launches_equal_the_checked_call(tmp_path):
     import cupy as cp
     from dataclasses import replace
 
-    from sparseconv.shapes import ANY_BATCH, variant_for_batch
+    from sparseconv.tilings import ANY_BATCH, variant_for_batch
     from sparseconv.table import TableConv2d
 
     rng = np.random.default_rng()

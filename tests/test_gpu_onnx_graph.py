@@ -87,7 +87,7 @@ def test_routing_measures_every_conv_and_routed_layers_replay_in_the_graph(sessi
     from sparseconv.routing import RouteChoice
     from sparseconv.runner import run_reference
     from sparseconv.runtime import DenseConv2dKernel
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
 
     model = compile_model(LENET, cache_dir=str(session_cache_dir), cuda_graph=True)
     assert sorted(model.routes) == sorted(model.kernels) and not model.route_note
@@ -154,7 +154,7 @@ def test_convs_routed_to_the_weight_table_match_float64_eager_and_in_a_graph(ses
     from sparseconv.runner import compile_model  # the runner's graphs and routes
     from sparseconv.routing import RouteChoice
     from sparseconv.runner import run_reference
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
     from sparseconv.table import TableConv2d
 
     model = compile_model(LENET, cache_dir=str(session_cache_dir), cuda_graph=True, route_batches=(1,))

@@ -157,7 +157,7 @@ def test_sparsify_runs_convs_through_the_table_where_routed(session_cache_dir):
 
     import sparseconv.torch as sct
     from sparseconv.fx import FusedConv2d
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
     from sparseconv.table import TableConv2d
 
     net = _pruned_block()

@@ -299,7 +299,7 @@ def test_routing_by_batch_size_runs_each_path_exactly(session_cache_dir):
     and forcing either path gives the same numbers within fp32 rounding."""
     import sparseconv.torch as sct
     from sparseconv.fx import FusedConv2d
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
 
     net = _pruned(ResidualNet())
     example = torch.randn(1, 3, 16, 16, device="cuda")

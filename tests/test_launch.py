@@ -16,7 +16,8 @@ from sparseconv.launch import (GRID_DEPENDENCY_CUDA, LaunchAttribute, LaunchConf
 from sparseconv.pool import pool_source
 from sparseconv.render import render
 from sparseconv.runtime import _REDUCE_SOURCE
-from sparseconv.shapes import ConvShape, Epilogue, Target, default_tiling
+from sparseconv.shapes import ConvShape, Epilogue, Target
+from sparseconv.tilings import default_tiling
 from sparseconv.table import TableTiling, table_source
 
 LAYOUT_PROBE = r"""

@@ -9,7 +9,8 @@ from sparseconv.api import LINEAR_SPLIT_THREADS, LINEAR_THREADS, linear_shape, l
 from sparseconv.compile import compile_to_ptx
 from sparseconv.limits import LimitError, check_layer
 from sparseconv.render import render
-from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target, n_chunks, n_kblocks
+from sparseconv.shapes import ConvShape, Epilogue, Target, n_chunks, n_kblocks
+from sparseconv.tilings import ANY_BATCH
 from sparseconv.specialise import specialise
 from sparseconv.testing import pruned_weight, relative_l2
 

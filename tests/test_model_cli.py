@@ -107,7 +107,7 @@ def test_inspect_lists_layers_and_filters(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(write_npz(tmp_path / "m.npz")), "--min-sparsity", "0.72"])
     assert r.exit_code == 0, r.output
     assert "2 conv layers, 1 to compile" in r.output and "skip: sparsity" in r.output
-    # the kernel family each compiled layer takes, as shapes.default_tiling picks it
+    # the kernel family each compiled layer takes, as tilings.default_tiling picks it
     assert sum("  compile (direct, " in line or "  compile (pointwise, " in line for line in r.output.splitlines()) == 1
 
 

@@ -1,6 +1,6 @@
 """bench/network_ab.py's switches put back the tiling rules as they were
 before each landed (the A side of the A/B runs docs/PERFORMANCE.md reports).
-Each runs in its own interpreter: a switch rebinds sparseconv.shapes' names."""
+Each runs in its own interpreter: a switch rebinds sparseconv.tilings' names."""
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +15,7 @@ spec = importlib.util.spec_from_file_location("network_ab", "bench/network_ab.py
 ab = importlib.util.module_from_spec(spec); spec.loader.exec_module(ab)
 for name in sys.argv[1:]:
     ab.RULES[name]()
-from sparseconv.shapes import default_direct_tiling, variant_for_batch
+from sparseconv.tilings import default_direct_tiling, variant_for_batch
 from sparseconv.zoo import resnet50, vgg16
 r50, vgg = dict(resnet50()), dict(vgg16())
 t = variant_for_batch(r50["layer4.1.conv1"], 1)
@@ -125,7 +125,7 @@ def test_the_overlap_switch_turns_overlapped_launches_off():
 @pytest.mark.parametrize("switch, layer", [("image-layer-blocks", "conv1"),
                                            ("expanding-pointwise-blocks", "layer1.0.conv3")])
 def test_a_batch1_blocks_switch_leaves_its_layer_the_default_tiling_at_batch_1(switch, layer):
-    code = ("from sparseconv.shapes import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
+    code = ("from sparseconv.tilings import variant_for_batch, default_tiling\nfrom sparseconv.zoo import resnet50\n"
             f"s = dict(resnet50())[{layer!r}]\nprint(variant_for_batch(s, 1) == default_tiling(s))")
     assert printed(code) == "False"
     assert printed(code, switch) == "True"

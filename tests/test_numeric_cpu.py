@@ -12,8 +12,9 @@ from sparseconv.ptx import Stmt
 from sparseconv.specialise import analysis, emit
 from sparseconv.compile import compile_to_ptx
 from sparseconv.render import ENTRY_NAME, render
-from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, default_tiling, dynamic_shared_bytes,
-                               image_layer_blocks, launch_grid, n_chunks, residual_after_loop)
+from sparseconv.shapes import (ConvShape, Epilogue, Target, Tiling, dynamic_shared_bytes, launch_grid, n_chunks,
+                               residual_after_loop)
+from sparseconv.tilings import default_tiling, image_layer_blocks
 from sparseconv.specialise import specialise
 
 from ptx_interpreter import PtxInterpreterError, run_kernel
@@ -233,7 +234,7 @@ FAMILY_LAYERS = {
                               Epilogue("relu6", residual=True)),
     "pw5x3_nopad": (ConvShape(3, 4, 7, 6, 5, 3), _pointwise(4, 3, 1, 32), Epilogue()),
     "pw7x7_stride2_pad3": (ConvShape(3, 4, 11, 10, 7, 7, (2, 2), (3, 3)), _pointwise(4, 1, 1, 32), Epilogue()),
-    # the wave-fitted tilings (shapes.wave_fitted_tiling) in
+    # the wave-fitted tilings (tilings.wave_fitted_tiling) in
     # miniature: a k_block that does not divide the channels (12 in blocks of
     # 5: a tail of 2) and a block of 3 warps (96 threads; the fit takes up to
     # 640), 105 pixels: a second, partial block
@@ -263,20 +264,20 @@ FAMILY_LAYERS = {
     # two chunks a slice, so that a k-block can be cut into pieces (below)
     "pw_cluster_two_chunks": (ConvShape(16, 8, 3, 3, 1, 1), _pointwise(8, 4, 1, 32, 2, "cluster"),
                               Epilogue("relu", residual=True)),
-    # shapes.whole_image_split in miniature: one block over the whole 5x6
+    # tilings.whole_image_split in miniature: one block over the whole 5x6
     # image (30 pixels, 32 threads), a 3x3 with padding, 4 slices of 2 channels
     "pw3x3_whole_image_split": (ConvShape(8, 6, 5, 6, 3, 3, (1, 1), (1, 1)), _pointwise(4, 2, 1, 32, 4),
                                 Epilogue("relu")),
     "direct_cluster_two_chunks": (ConvShape(8, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                                   Tiling(4, 2, 4, 7, 1, 1, slices=2, slice_sum="cluster"),
                                   Epilogue("relu", residual=True)),
-    # shapes.image_layer_blocks in miniature: a 7x7 stride-2 image layer in
+    # tilings.image_layer_blocks in miniature: a 7x7 stride-2 image layer in
     # 16-channel blocks (20 channels: a k-block tail), one output a thread
     "direct_image_layer_7x7_s2": (ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)),
                                   image_layer_blocks(ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)),
                                                      default_tiling(ConvShape(3, 20, 23, 21, 7, 7, (2, 2), (3, 3)))),
                                   Epilogue("relu")),
-    # 4 channels staged a chunk (shapes.SPLIT_DIRECT_WIDE_C_BLOCK): 10 channels
+    # 4 channels staged a chunk (tilings.SPLIT_DIRECT_WIDE_C_BLOCK): 10 channels
     # make a last chunk half past the channels, its staged loads masked to zero
     "direct_cluster_wide_chunk_partial": (ConvShape(10, 6, 7, 7, 3, 3, (1, 1), (1, 1)),
                                           Tiling(4, 4, 4, 7, 1, 1, slices=2, slice_sum="cluster"), Epilogue("relu")),

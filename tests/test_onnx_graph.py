@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from sparseconv.cli import main
 from sparseconv.routing import RouteChoice, choose_route
-from sparseconv.shapes import ANY_BATCH
+from sparseconv.tilings import ANY_BATCH
 from sparseconv.testing import pruned_weight, relative_l2
 
 onnx = pytest.importorskip("onnx")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from sparseconv.render import placeholder_bits, placeholder_value, render
-from sparseconv.shapes import ConvShape, Tiling, check_tiling, default_tiling, pair
+from sparseconv.shapes import ConvShape, Tiling, check_tiling, pair
+from sparseconv.tilings import default_tiling
 
 
 def test_pair_accepts_int_or_pair_only():
@@ -130,7 +131,8 @@ def test_a_one_pixel_pointwise_body_compiles_to_the_ptx_of_its_loop_form(slices)
     import re
 
     from sparseconv.compile import compile_to_ptx
-    from sparseconv.shapes import Epilogue, Target, pointwise_tiling
+    from sparseconv.shapes import Epilogue, Target
+    from sparseconv.tilings import pointwise_tiling
 
     shape = ConvShape(64, 48, 9, 9, 3, 3, padding=(1, 1))
     r = render(shape, pointwise_tiling(shape, 16, 1, 128, slices=slices), Epilogue("relu", residual=True))

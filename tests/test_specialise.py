@@ -10,7 +10,8 @@ from sparseconv.assemble import assemble_cubin, function_code, module_functions,
 from sparseconv.compile import compile_to_ptx
 from sparseconv.operators import benchmark_operators
 from sparseconv.render import render
-from sparseconv.shapes import ConvShape, Epilogue, Target, Tiling, default_tiling, residual_after_loop
+from sparseconv.shapes import ConvShape, Epilogue, Target, Tiling, residual_after_loop
+from sparseconv.tilings import default_tiling
 from sparseconv.specialise import SpecialiseError, analyse_template, specialise
 
 from sparseconv.testing import pruned_weight

@@ -9,7 +9,8 @@ import pytest
 
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
-from sparseconv.shapes import ANY_BATCH, ConvShape, Epilogue, Target
+from sparseconv.shapes import ConvShape, Epilogue, Target
+from sparseconv.tilings import ANY_BATCH
 from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS,
                               VERY_LONG_CHANNEL, TableTiling,
                               routable_table, table_grid, table_source, table_supported, table_timed, table_tiling,

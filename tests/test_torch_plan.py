@@ -79,7 +79,7 @@ def test_cuda_graph_module_runs_cpu_inputs_directly():
 
 
 def test_route_from_choices_takes_the_nearer_measured_batch():
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
     from sparseconv.torch import route_from_choices
 
     assert route_from_choices([(1, "sparseconv"), (64, "dense")]) == [(8, "sparseconv"), (ANY_BATCH, "dense")]
@@ -92,7 +92,7 @@ def test_fused_conv_path_follows_its_route():
     import torch
 
     from sparseconv.fx import FusedConv2d
-    from sparseconv.shapes import ANY_BATCH
+    from sparseconv.tilings import ANY_BATCH
 
     m = FusedConv2d(torch.zeros(2, 2, 1, 1), None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1)
     assert m.path(1) == "sparseconv" and m.path(1000) == "sparseconv"  # no route: the kernel
@@ -115,7 +115,7 @@ class DeepTail(nn.Module):
 
 def test_deep_small_image_convs_skip_their_split_code_where_the_table_runs_small_batches():
     """sparsify builds VGG-16 conv5-like layers without their small-batch code
-    when routing times the table at a small batch (shapes.code_variants)."""
+    when routing times the table at a small batch (tilings.code_variants)."""
     from sparseconv.fx import prepare
     from sparseconv.torch import small_batch_table_layers
 

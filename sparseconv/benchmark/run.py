@@ -20,7 +20,8 @@ from ..dense import conv2d_im2col, torch_flags
 from ..api import compile_conv2d
 from ..operators import benchmark_operators
 from ..parallel import LayerJob, build_many
-from ..shapes import ConvShape, batch_variants, default_tiling
+from ..shapes import ConvShape
+from ..tilings import batch_variants, default_tiling
 from ..table import MAX_TABLE_BATCH, TableConv2d, table_supported
 from ..testing import pruned_weight, relative_l2
 from ..timing import Capture, cupy_graph, one_line, time_gpu, torch_graph
@@ -153,7 +154,7 @@ def _free_gpu(torch: Any) -> None:
 
 def _prebuild(layers: Sequence[BenchLayer], weights: Dict[Tuple[str, Any], np.ndarray], config: BenchConfig,
               log: Callable[[str], None]) -> None:
-    """Build every kernel, each batch variant of it too (shapes.batch_variants),
+    """Build every kernel, each batch variant of it too (tilings.batch_variants),
     in a process pool first (CPU only), so the timing loop only loads cached
     cubins."""
     if "code" not in config.paths:  # the table is compiled by NVRTC as each layer is timed
