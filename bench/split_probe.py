@@ -57,7 +57,9 @@ def parse_cand(shape, text: str, batch: int):
     c_block groups a block, shapes.kernel_shape), each with optional
     suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
-    ":Scluster" (how the slices are summed, Tiling.slice_sum), e.g. 64x256x1:B2."""
+    ":Scluster" (how the slices are summed, Tiling.slice_sum), ":Q" (the
+    pointwise family's pixels in 2x2 quads, Tiling.pixel_order), e.g.
+    64x256x1:B2."""
     text, *suffixes = text.split(":")
     fields = suffix_fields(suffixes)
     if "thread_w" in fields and not text[:1].isdigit():
@@ -84,7 +86,8 @@ CAND_BASE = re.compile(r"default|direct|d\d+x\d+x\d+|\d+x\d+x\d+(x\d+)?")
 
 def suffix_fields(suffixes) -> dict:
     """The Tiling fields a candidate's suffixes set; ValueError for one that
-    is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster or :C<c_block>."""
+    is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster, :C<c_block>,
+    :P<pixels a thread> or :Q (pixels in 2x2 quads)."""
     fields = {}
     for suffix in suffixes:
         if suffix[:1] == "O" and suffix[1:].isdigit():
@@ -97,9 +100,11 @@ def suffix_fields(suffixes) -> dict:
             fields["c_block"] = int(suffix[1:])
         elif suffix[:1] == "P" and suffix[1:].isdigit() and int(suffix[1:]) >= 1:
             fields["thread_w"] = int(suffix[1:])  # pixels a thread (pointwise candidates; parse_cand)
+        elif suffix == "Q":
+            fields["pixel_order"] = "quads"  # 2x2 windows of the output (Tiling.pixel_order)
         else:
             raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster, "
-                             f":C<c_block> or :P<pixels a thread>)")
+                             f":C<c_block>, :P<pixels a thread> or :Q)")
     return fields
 
 
@@ -185,7 +190,8 @@ def main() -> None:
     ap.add_argument("--layers", required=True, help="comma-separated, e.g. resnet50:layer4.1.conv1")
     ap.add_argument("--cands", default="default",
                     help="default, direct and/or k_block x threads x slices[x c_block], each with optional :O<level>, "
-                         ":B<blocks per SM>, :Skernel/:Scluster, :C<c_block> and :P<pixels a thread>, comma-separated")
+                         ":B<blocks per SM>, :Skernel/:Scluster, :C<c_block>, :P<pixels a thread> and :Q (pixels "
+                         "in 2x2 quads), comma-separated")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--epilogue", default="none",
                     help="comma-separated among none, relu, add+relu (residual add then ReLU)")

@@ -127,7 +127,8 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
     else:
         family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
                            TAP_PREDICATES=int(tap_predicates(shape, tiling)), R=shape.kernel_h, S=shape.kernel_w,
-                           RESIDUAL_AFTER_LOOP=int(residual_after_loop(shape, tiling)))
+                           RESIDUAL_AFTER_LOOP=int(residual_after_loop(shape, tiling)),
+                           PIXEL_QUADS=int(tiling.pixel_order == "quads"))
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),

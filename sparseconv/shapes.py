@@ -21,6 +21,11 @@ ACTIVATIONS = ("none", "relu", "relu6", "clip")
 # output block form one thread-block cluster (sm_90+) and add each other's
 # partial sums through distributed shared memory before the store.
 SLICE_SUMS = ("kernel", "cluster")
+# The order a pointwise block's threads walk an image's output pixels
+# (Tiling.pixel_order): "rows", row-major; "quads", 2x2 windows in row-major
+# order of windows, four adjacent threads a window, so that a 2x2 max pool
+# after the conv could be taken among them (docs/pending: VGG's pools).
+PIXEL_ORDERS = ("rows", "quads")
 # Blocks in one cluster: 8 is portable; the H100 allows 16 once the kernel
 # opts in (runtime: the non-portable cluster size attribute).
 MAX_CLUSTER_SLICES = 16
@@ -166,6 +171,9 @@ class Tiling:
     # How the slices' partial sums are added (SLICE_SUMS); "cluster" needs
     # sm_90 (build_conv2d falls back to "kernel" for older targets).
     slice_sum: str = "kernel"
+    # PIXEL_ORDERS; "quads" needs the pointwise family and an even output
+    # height and width (render checks the shape).
+    pixel_order: str = "rows"
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -175,6 +183,9 @@ class Tiling:
             elif name == "slice_sum":
                 if v not in SLICE_SUMS:
                     raise ValueError(f"tiling.slice_sum must be one of {SLICE_SUMS}, got {v!r}")
+            elif name == "pixel_order":
+                if v not in PIXEL_ORDERS:
+                    raise ValueError(f"tiling.pixel_order must be one of {PIXEL_ORDERS}, got {v!r}")
             elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"tiling.{name} must be a positive int, got {v!r}")
         if self.ptxas_level not in (1, 2, 3):
@@ -182,6 +193,8 @@ class Tiling:
         if self.slice_sum == "cluster" and not 2 <= self.slices <= MAX_CLUSTER_SLICES:
             raise ValueError(f"a cluster sum takes 2 to {MAX_CLUSTER_SLICES} slices (one cluster of blocks), "
                              f"got {self.slices}")
+        if self.pixel_order == "quads" and self.family != "pointwise":
+            raise ValueError("pixel_order 'quads' is a pointwise-family order; the direct family tiles its pixels")
         if self.family == "pointwise" and self.tile_h != 1:
             raise ValueError("a pointwise tiling has tile_h 1 (its pixels run along tile_w)")
         if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
@@ -222,6 +235,7 @@ class Tiling:
         sl = f", {self.slices} slices" if self.slices > 1 else ""
         sl += " summed in a cluster" if self.slice_sum == "cluster" else ""
         sl += f", ptxas -O{self.ptxas_level}" if self.ptxas_level != 3 else ""
+        sl += ", 2x2 pixel quads" if self.pixel_order == "quads" else ""
         if self.family == "pointwise":
             return (f"{fam}k_block={self.k_block} c_block={self.c_block} pixels={self.thread_w}/thread "
                     f"({self.threads} threads{blocks}{sl})")
@@ -510,3 +524,6 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
         raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
     if tiling.c_block > shape.c_per_group:
         raise ValueError(f"c_block={tiling.c_block} exceeds the {shape.c_per_group} input channels per group")
+    if tiling.pixel_order == "quads" and (shape.out_h % 2 or shape.out_w % 2):
+        raise ValueError(f"pixel_order 'quads' walks 2x2 windows of the output, which is {shape.out_h}x{shape.out_w}: "
+                         "an odd side has no whole windows; use pixel_order 'rows'")

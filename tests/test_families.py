@@ -292,6 +292,14 @@ def test_tiling_records_refuse_what_no_template_serves():
         check_tiling(ConvShape(8, 8, 9, 9, 1, 1), Tiling(8, 4, 1, 32, family="pointwise", slices=3))
     with pytest.raises(ValueError, match="slice_sum must be one of"):
         Tiling(8, 4, 1, 32, slices=2, slice_sum="atomic")
+    with pytest.raises(ValueError, match="pixel_order must be one of"):
+        Tiling(8, 4, 1, 32, family="pointwise", pixel_order="zigzag")
+    with pytest.raises(ValueError, match="pointwise-family order"):
+        Tiling(8, 4, 4, 8, pixel_order="quads")
+    with pytest.raises(ValueError, match="output, which is 5x6"):  # an odd side has no whole 2x2 windows
+        check_tiling(ConvShape(8, 8, 5, 6, 1, 1), Tiling(8, 4, 1, 32, family="pointwise", pixel_order="quads"))
+    check_tiling(ConvShape(8, 8, 8, 8, 3, 3, (2, 2), (1, 1)),  # a 4x4 output: served
+                 Tiling(8, 4, 1, 32, family="pointwise", pixel_order="quads"))
     for slices in (1, 17):  # a cluster sum needs a split, and one cluster holds at most 16 blocks
         with pytest.raises(ValueError, match="cluster sum takes 2 to 16 slices"):
             Tiling(8, 4, 1, 32, slices=slices, slice_sum="cluster")

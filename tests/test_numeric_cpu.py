@@ -203,6 +203,15 @@ FAMILY_LAYERS = {
     # stride, zero padding, groups, one input channel, partial chunks, several
     # pixels per thread, a split reduction.
     "pw_basic": (ConvShape(8, 12, 5, 6, 1, 1), _pointwise(8, 4, 2, 32), Epilogue()),
+    # pixels in 2x2 quads (Tiling.pixel_order): a 3x3 with padding, a k-block
+    # tail and a residual, the batch's last block partial; two pixels a thread
+    # at stride 2; and a cluster sum, which stores by the same walk
+    "pw3x3_quads_residual": (ConvShape(4, 6, 6, 8, 3, 3, (1, 1), (1, 1)),
+                             replace(_pointwise(4, 2, 1, 32), pixel_order="quads"), Epilogue("relu", residual=True)),
+    "pw_quads_stride2_2px": (ConvShape(6, 8, 8, 12, 1, 1, (2, 2)),
+                             replace(_pointwise(8, 4, 2, 32), pixel_order="quads"), Epilogue()),
+    "pw_quads_cluster": (ConvShape(8, 4, 4, 6, 1, 1),
+                         replace(_pointwise(4, 2, 1, 32, 2, "cluster"), pixel_order="quads"), Epilogue("relu6")),
     "pw_stride2_split": (ConvShape(10, 12, 7, 6, 1, 1, (2, 2)), _pointwise(4, 4, 2, 32, 2), Epilogue()),
     "pw_padding_clip": (ConvShape(6, 8, 5, 5, 1, 1, (1, 1), (1, 1)), _pointwise(8, 4, 1, 32),
                         Epilogue("clip", clip=(-0.5, 0.7))),

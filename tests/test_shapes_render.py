@@ -146,3 +146,33 @@ def test_a_one_pixel_pointwise_body_compiles_to_the_ptx_of_its_loop_form(slices)
         return [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
 
     assert code(compile_to_ptx(r.source, Target())) == code(compile_to_ptx(looped, Target()))
+
+
+@pytest.mark.parametrize("out_h, out_w", [(2, 2), (6, 8), (14, 14)])
+def test_quad_order_walks_the_output_by_2x2_windows(out_h, out_w):
+    """Tiling.pixel_order "quads": the template's SC_PIXEL, evaluated as
+    rendered, maps the image's walk onto every pixel once, four consecutive
+    indices a 2x2 window (what a max pool among four threads would need);
+    "rows" leaves the walk row-major."""
+    import re
+
+    shape = ConvShape(4, 4, out_h, out_w, 1, 1)
+    for order in ("quads", "rows"):
+        source = render(shape, Tiling(4, 4, 1, 32, family="pointwise", pixel_order=order)).source
+        quads = re.search(r"#define PIXEL_QUADS\s+(\d)", source).group(1)
+        assert quads == ("1" if order == "quads" else "0")
+        # the macro of the #if branch the defines select (integer arithmetic: '/' is C's on non-negative ints)
+        branches = re.search(r"#if PIXEL_QUADS\n#define SC_PIXEL\(i\) (.*?)\n#else\n"
+                             r"#define SC_PIXEL\(i\) (.*?)\n#endif", source, re.S)
+        expr = branches.group(1 if quads == "1" else 2).replace("\\\n", " ")
+        expr = expr.replace("OUT_W", str(out_w)).replace("/", "//")
+        walk = [eval(expr, {"i": i}) for i in range(out_h * out_w)]
+        assert sorted(walk) == list(range(out_h * out_w))
+        if order == "rows":
+            assert walk == list(range(out_h * out_w))
+            continue
+        for start in range(0, out_h * out_w, 4):
+            rows = sorted({p // out_w for p in walk[start:start + 4]})
+            cols = sorted({p % out_w for p in walk[start:start + 4]})
+            assert len(rows) == len(cols) == 2 and rows[0] % 2 == 0 and cols[0] % 2 == 0
+            assert rows[1] == rows[0] + 1 and cols[1] == cols[0] + 1
