@@ -54,7 +54,7 @@ if [ "$PART" != 1 ]; then
         tests/test_clocks.py tests/test_ptx_interpreter.py &
     run onnx tests/test_gpu_onnx.py tests/test_gpu_onnx_fuse.py tests/test_gpu_onnx_graph.py tests/test_gpu_onnx_fx.py &
     run linear tests/test_gpu_linear.py tests/test_gemv.py &
-    run table tests/test_gpu_table.py tests/test_gpu_launch.py &
+    run table tests/test_gpu_table.py tests/test_gpu_launch.py tests/test_gpu_pool_epilogue.py &
     # its own shard in the lighter part since session 41's MobileNetV2 test (~80 s): the torch shard took 331 s
     run network tests/test_gpu_network.py &
     wait

@@ -67,7 +67,7 @@ def _check_progress(progress: object, name: str) -> None:
 def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride: IntPair = 1,
                    padding: IntPair = 0, dilation: IntPair = 1, groups: int = 1,
                    activation: str = "none", clip: Optional[Tuple[float, float]] = None, residual: bool = False,
-                   tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
+                   pool: bool = False, tiling: Union[Tiling, str, None] = None, backend: str = "sparseconv",
                    tune_batch: int = 64, cache_dir: Union[str, None] = None,
                    name: str = "conv", target: Union[Target, str, None] = None,
                    progress: bool = True) -> Conv2dKernel:
@@ -83,7 +83,11 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
 
     The epilogue is fused into the store: y = act(conv(x) + bias + residual),
     with activation "none", "relu", "relu6" or "clip" (clip=(lo, hi)), and
-    residual=True for a kernel called as kernel(x, residual=r).
+    residual=True for a kernel called as kernel(x, residual=r). pool=True
+    adds a 2x2 max pool of stride 2 after the activation (VGG's Conv -> ReLU
+    -> MaxPool2d(2, 2)): the kernel returns (N, K, Ho // 2, Wo // 2), and a
+    pointwise-family kernel takes the pool among its threads, so the conv's
+    whole output is never written (other variants pool after the kernel).
 
     With the default tiling, a layer that gives too few blocks at small
     batches to fill the GPU also gets a variant with the input-channel
@@ -104,7 +108,7 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
         raise ValueError(f"{name}: backend must be 'sparseconv' or 'auto', got {backend!r}")
     _check_progress(progress, name)
     try:
-        epilogue = Epilogue(activation, clip, residual)
+        epilogue = Epilogue(activation, clip, residual, pool)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"{name}: {exc}") from None
     if isinstance(tiling, str) and tiling != "auto":
@@ -299,7 +303,7 @@ def compile_layers(layers: Sequence[Tuple[str, np.ndarray, Optional[np.ndarray],
                 kernels[name] = compile_conv2d(w, input_size=(shape.in_h, shape.in_w), bias=b,
                                                stride=shape.stride, padding=shape.padding, dilation=shape.dilation,
                                                groups=shape.groups, activation=ep.activation, clip=ep.clip,
-                                               residual=ep.residual, tiling=tiling, backend=backend,
+                                               residual=ep.residual, pool=ep.pool, tiling=tiling, backend=backend,
                                                tune_batch=tune_batch, cache_dir=cache_dir, name=name,
                                                progress=False)  # the line above names the layer
         return kernels

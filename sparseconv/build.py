@@ -21,7 +21,7 @@ from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
 from .shapes import (ConvShape, Epilogue, Target, Tiling, launch_grid, max_batch_per_launch, dynamic_shared_bytes,
                      kernel_shape, n_chunks, n_kblocks)
-from .tilings import default_tiling
+from .tilings import default_tiling, pooled_tiling, pools_in_kernel
 from .specialise import analyse_template, specialise
 
 # The source files whose code decides a kernel artifact beyond what its key
@@ -158,6 +158,13 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     target = target or Target()
     if tiling.slice_sum == "cluster" and not target.has_clusters:
         tiling = replace(tiling, slice_sum="kernel")  # clusters need sm_90; the workspace sum serves any GPU
+    if epilogue.pool:
+        tiling = pooled_tiling(shape, tiling)  # pixels by 2x2 windows, where the kernel can then pool
+    # What the kernel itself applies: a variant that cannot take the pool is
+    # built without it (the same kernel as an unpooled layer's) and
+    # runtime.Conv2dKernel pools its output after; CompiledLayer keeps the
+    # layer's whole epilogue.
+    in_kernel = replace(epilogue, pool=False) if epilogue.pool and not pools_in_kernel(shape, tiling) else epilogue
     cache = cache or ArtifactCache()
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if weight.shape != shape.weight_shape:
@@ -166,7 +173,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     what = f"layer {name} ({shape.describe()})"
 
     t = time.perf_counter()
-    rendered = render(shape, tiling, epilogue)
+    rendered = render(shape, tiling, in_kernel)
     seconds["render"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -205,7 +212,7 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     seconds["assemble"] = time.perf_counter() - t
 
     akey = artifact_key(ptx_sha, assembler, tiling) if use_ptxas else ptx_sha
-    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=epilogue.describe(),
+    stats: Dict[str, object] = dict(spec.as_dict(), tiling=tiling.describe(), epilogue=in_kernel.describe(),
                                     target=target.arch, artifact_bytes=len(artifact), artifact_key=akey,
                                     template_key=tkey, kernel_key=kkey)
     merged = kernel_shape(shape, tiling)

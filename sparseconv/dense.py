@@ -73,11 +73,20 @@ def fold_batchnorm(weight: np.ndarray, bias: Optional[np.ndarray], gamma: np.nda
 
 def epilogue_reference(y: Any, epilogue: Epilogue, residual: Any = None) -> Any:
     """What a kernel's fused epilogue does after conv + bias, in y's dtype:
-    add the residual, then clamp (ReLU, ReLU6, clip)."""
+    add the residual, then clamp (ReLU, ReLU6, clip), then the 2x2 max pool
+    (Epilogue.pool, floor mode). y: (N, K, H, W), NumPy or CuPy."""
     if residual is not None:
         y = y + residual
     lo, hi = epilogue.bounds
-    return y if lo is None and hi is None else np.clip(y, lo, hi)
+    y = y if lo is None and hi is None else np.clip(y, lo, hi)
+    return max_pool_2x2(y) if epilogue.pool else y
+
+
+def max_pool_2x2(y: Any) -> Any:
+    """The 2x2 max pool of stride 2 of y (N, K, H, W), floor mode, as
+    nn.MaxPool2d(2, 2): the reference side of Epilogue.pool."""
+    n, k, h, w = y.shape
+    return y[:, :, :h // 2 * 2, :w // 2 * 2].reshape(n, k, h // 2, 2, w // 2, 2).max(axis=(3, 5))
 
 
 @contextlib.contextmanager

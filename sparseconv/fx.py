@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -29,7 +29,7 @@ from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, linear_limits, linear_
 from .dense import fold_batchnorm as fold_arrays, torch_flags
 from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv_pointers, linear_sparse_gemv,
                    sparse_gemv_takes, sparse_rows)
-from .pool import MaxPoolShape, max_pool2d_pointers
+from .pool import FUSED_POOL, MaxPoolShape, max_pool2d_pointers
 from .shapes import ConvShape, shape_from_weight
 
 ACTIVATIONS = ("none", "relu", "relu6", "clip")
@@ -191,7 +191,8 @@ class _KernelNode(nn.Module):
 
 
 class FusedConv2d(_KernelNode):
-    """conv (+ folded BN) + bias (+ residual) then an activation, as one node.
+    """conv (+ folded BN) + bias (+ residual) then an activation (then a 2x2
+    max pool of stride 2, `pool`), as one node.
 
     forward(x, residual=None). With a compiled kernel attached (`.kernel`,
     set by sparseconv.torch.sparsify) and a CUDA input, one sparseconv kernel
@@ -200,11 +201,13 @@ class FusedConv2d(_KernelNode):
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, stride: Tuple[int, int],
                  padding: Tuple[int, int], dilation: Tuple[int, int], groups: int, activation: str = "none",
-                 clip: Optional[Tuple[float, float]] = None, residual: bool = False, name: str = "conv",
-                 fused: Tuple[str, ...] = ()) -> None:
+                 clip: Optional[Tuple[float, float]] = None, residual: bool = False, pool: bool = False,
+                 name: str = "conv", fused: Tuple[str, ...] = ()) -> None:
         super().__init__(weight, bias, activation, clip, name, fused)  # .kernel: a Conv2dKernel
+        if pool and residual:
+            raise ValueError(f"{name}: a fused conv pools or adds a residual, not both (shapes.Epilogue)")
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
-        self.residual = residual
+        self.residual, self.pool = residual, pool
 
     def reference(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The chain in torch, in x's dtype."""
@@ -212,7 +215,8 @@ class FusedConv2d(_KernelNode):
         y = F.conv2d(x, self.weight.to(x.dtype), b, self.stride, self.padding, self.dilation, self.groups)
         if residual is not None:
             y = y + residual
-        return act_forward(y, self.activation, self.clip)
+        y = act_forward(y, self.activation, self.clip)
+        return F.max_pool2d(y, 2, 2) if self.pool else y
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.residual != (residual is not None):
@@ -231,7 +235,23 @@ class FusedConv2d(_KernelNode):
         """cuDNN in strict fp32 (TF32 off whatever the global setting), where it
         measured faster than the kernel at this batch size."""
         with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
-            return self.reference(x.detach(), None if residual is None else residual.detach())
+            if not self.pool:
+                return self.reference(x.detach(), None if residual is None else residual.detach())
+            y = F.conv2d(x.detach(), self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            return self._pool_after(act_forward(y, self.activation, self.clip))
+
+    def _pool_after(self, y: torch.Tensor) -> torch.Tensor:
+        """The fused pool on y, where the path that made y did not take it
+        (the weight table, cuDNN): sparseconv.pool's kernel, on torch's
+        stream (capturable), no indices written."""
+        y = y.contiguous()
+        out = y.new_empty(y.shape[:2] + FUSED_POOL.output_size(y.shape[2], y.shape[3]))
+        if out.numel():
+            index = y.get_device()
+            with _on_device(index):
+                max_pool2d_pointers(index, y.data_ptr(), out.data_ptr(), tuple(y.shape), FUSED_POOL,
+                                    torch_stream_handle(index))
+        return out
 
     def _run_kernel(self, x: torch.Tensor, residual: Optional[torch.Tensor], kernel: Any) -> torch.Tensor:
         """Through `kernel`: the sparseconv kernel, or the weight table.
@@ -267,8 +287,9 @@ class FusedConv2d(_KernelNode):
             residual = residual.contiguous()
         x = x.contiguous()
         out = x.new_empty(out_shape)
+        pool_after = self.pool and not kernel.epilogue.pool  # the weight table is built without the pool
         if not x.shape[0]:
-            return out
+            return self._pool_after(out) if pool_after else out
         # On torch's current stream: no sync, no copy, and so capturable in a CUDA graph.
         if kernel.launches_pointers:
             # Checked above: the pointers and stream handle alone, no CuPy views and no second
@@ -280,7 +301,7 @@ class FusedConv2d(_KernelNode):
             with cupy.cuda.Device(device), on_torch_stream(x.device, self.layer_name):
                 kwargs = {} if residual is None else {"residual": cupy_view(residual.detach())}
                 kernel(cupy_view(x.detach()), out=cupy_view(out), **kwargs)
-        return out
+        return self._pool_after(out) if pool_after else out
 
     def extra_repr(self) -> str:
         text = (f"{self.layer_name}: {tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "
@@ -864,7 +885,8 @@ def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
 
 def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool) -> Tuple[List[fx.Node], Dict[str, Any]]:
     """The nodes after conv_node that fuse into it (each the only user of the
-    one before), and what they are: {"bn", "residual", "activation", "clip"}."""
+    one before), and what they are: {"bn", "residual", "activation", "clip",
+    "pool"}."""
     found: Dict[str, Any] = {}
     chain: List[fx.Node] = []
     cur = conv_node
@@ -898,7 +920,46 @@ def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool) -> Tup
         if act is not None:
             found["activation"], found["clip"] = act
             chain.append(nxt)
+            cur = nxt
+            nxt = only_user(cur)
+    # A pool after a residual add is left alone (shapes.Epilogue takes one or the other).
+    if nxt is not None and "residual" not in found and _fused_pool(nxt, cur, modules):
+        found["pool"] = True
+        chain.append(nxt)
     return chain, found
+
+
+# F.max_pool2d's parameters in order, for a call_function node's positional arguments
+_MAX_POOL_PARAMS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _fused_pool(node: fx.Node, value: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether `node` is a max pool of `value` that the conv's epilogue takes:
+    an nn.MaxPool2d or F.max_pool2d of window 2 and stride 2, no padding or
+    dilation, no indices, on a 4-D input (ceil_mode only where both sides are
+    even, so that it pools as floor mode does)."""
+    if node.op == "call_module" and type(modules.get(str(node.target))) is nn.MaxPool2d:
+        m = modules[str(node.target)]
+        if node.args != (value,) or node.kwargs:
+            return False
+        params = dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding, dilation=m.dilation,
+                      ceil_mode=m.ceil_mode, return_indices=m.return_indices)
+    elif node.op == "call_function" and node.target in (F.max_pool2d, torch.max_pool2d):
+        params = dict(zip(_MAX_POOL_PARAMS, node.args), **node.kwargs)
+        if params.pop("input", None) is not value or not set(params) <= set(_MAX_POOL_PARAMS):
+            return False
+    else:
+        return False
+    try:
+        window = MaxPoolShape.of(params.get("kernel_size"), params.get("stride"), params.get("padding", 0),
+                                 params.get("dilation", 1), bool(params.get("ceil_mode", False)))
+    except (TypeError, ValueError):
+        return False
+    meta = _meta(value)
+    if params.get("return_indices") or meta is None or len(meta.shape) != 4:
+        return False
+    even = meta.shape[2] % 2 == 0 and meta.shape[3] % 2 == 0
+    return window == replace(FUSED_POOL, ceil_mode=window.ceil_mode) and (even or not window.ceil_mode)
 
 
 def _between(first: fx.Node, last: fx.Node) -> List[fx.Node]:
@@ -996,9 +1057,11 @@ def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bo
         act = found.get("activation", "none")
         if act != "none":
             what.append(act)
+        if "pool" in found:
+            what.append("maxpool")
         fused = FusedConv2d(w, b, stride=shape.stride, padding=shape.padding, dilation=shape.dilation,
                             groups=shape.groups, activation=act, clip=found.get("clip"),
-                            residual="residual" in found, name=name, fused=tuple(what))
+                            residual="residual" in found, pool="pool" in found, name=name, fused=tuple(what))
         gm.add_submodule(name, fused)  # replaces the conv: every call of it now runs the FusedConv2d
         convs[name], fused_of[name] = fused, tuple(what)
         if chain:

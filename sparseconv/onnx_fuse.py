@@ -279,11 +279,15 @@ def fuse_program(program: P) -> P:
 
 def fusion_totals(fused: Sequence[Tuple[str, ...]]) -> str:
     """One line from what fused into each conv (("bn", "relu"), ...): the
-    BatchNorms folded, the adds and activations fused, into how many convs.
-    The fx front end's plan (onnx_fx.py) says it the same way."""
+    BatchNorms folded, the adds, activations and (where any) max pools
+    fused, into how many convs. The fx front end's plan (onnx_fx.py) says it
+    the same way; only it fuses max pools (fx._chain)."""
     count = Counter(part for parts in fused for part in parts)
     acts = sum(count[a] for a in ("relu", "relu6", "clip"))
-    return (f"{count['bn']} BatchNormalization folded, {count['add']} residual adds and {acts} activations "
+    what = f"{count['add']} residual adds and {acts} activations"
+    if count["maxpool"]:
+        what = f"{count['add']} residual adds, {acts} activations and {count['maxpool']} max pools"
+    return (f"{count['bn']} BatchNormalization folded, {what} "
             f"fused into the conv kernels ({sum(bool(parts) for parts in fused)} of {len(fused)} convs)")
 
 

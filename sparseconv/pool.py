@@ -15,7 +15,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .launch import GRID_DEPENDENCY_CUDA, c_args, launch, launch_raw
+from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, c_args, launch, launch_raw
 from .shapes import pair
 
 IntPair = Tuple[int, int]
@@ -135,6 +135,9 @@ class MaxPoolShape:
         return h, w
 
 
+# The pool an Epilogue fuses into a conv (Epilogue.pool): VGG's MaxPool2d(2, 2).
+FUSED_POOL = MaxPoolShape((2, 2), (2, 2))
+
 _kernels: Dict[Tuple[object, ...], Any] = {}  # (device, kernel name, pool_source's arguments) -> kernel
 
 
@@ -176,6 +179,17 @@ def max_pool2d_pointers(device_id: int, x: int, y: int, x_shape: Tuple[int, int,
     fn, grid, block, size = _pool_launch(device_id, x_shape, out_hw, pool.kernel, pool.stride, pool.padding,
                                          pool.dilation, None)
     launch_raw(fn, grid, block, c_args((ctypes.c_void_p(x), ctypes.c_void_p(y), size)), 0, stream, device_id)
+
+
+def prepared_max_pool(device_id: int, x: int, x_shape: Tuple[int, int, int, int], pool: MaxPoolShape
+                      ) -> PreparedLaunch:
+    """The launch of max_pool2d_pointers prepared once (its arguments: x, y,
+    size; a call passes y): what runtime.Conv2dKernel runs after a variant
+    whose kernel does not take its epilogue's pool."""
+    fn, grid, block, size = _pool_launch(device_id, x_shape, pool.output_size(x_shape[2], x_shape[3]), pool.kernel,
+                                         pool.stride, pool.padding, pool.dilation, None)
+    c_size = ctypes.c_int32(int(size)) if size.dtype.itemsize == 4 else ctypes.c_int64(int(size))
+    return PreparedLaunch(fn, grid, block, 0, (ctypes.c_void_p(x), ctypes.c_void_p(0), c_size), device_id)
 
 
 def _pool_launch(device_id: int, x_shape: Tuple[int, ...], out_hw: Tuple[int, ...], kernel: IntPair,

@@ -15,6 +15,7 @@ from typing import Dict, Tuple
 import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
+from .tilings import pools_in_kernel
 from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels,
                      patch_size, residual_after_loop, stage_steps, tap_predicates)
 
@@ -104,6 +105,9 @@ def body_index(shape: ConvShape, tiling: Tiling, kb: int, cb: int, r: int, s: in
 
 def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) -> RenderedTemplate:
     check_tiling(shape, tiling)
+    if epilogue.pool and not pools_in_kernel(shape, tiling):
+        raise ValueError(f"{tiling.describe()} cannot take the pool in the kernel (tilings.pools_in_kernel); "
+                         "build_conv2d builds such a variant without it and the runtime pools after")
     layer_shape, shape = shape, kernel_shape(shape, tiling)  # several depthwise groups a block: see there
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
@@ -128,7 +132,8 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
         family_vars = dict(PIXELS=tiling.thread_w, PADDED=padded_channels(shape, tiling),
                            TAP_PREDICATES=int(tap_predicates(shape, tiling)), R=shape.kernel_h, S=shape.kernel_w,
                            RESIDUAL_AFTER_LOOP=int(residual_after_loop(shape, tiling)),
-                           PIXEL_QUADS=int(tiling.pixel_order == "quads"))
+                           PIXEL_QUADS=int(tiling.pixel_order == "quads"),
+                           POOL=int(epilogue.pool))
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),

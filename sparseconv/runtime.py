@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ from .build import CompiledLayer
 from .dense import dense_conv2d
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch_raw
 from .ptx import ptx_version
+from .pool import FUSED_POOL, max_pool2d, prepared_max_pool
 from .shapes import MAX_PATCH_BYTES, ConvShape, Target
-from .tilings import ANY_BATCH
+from .tilings import ANY_BATCH, pools_in_kernel
 
 
 
@@ -209,9 +211,13 @@ class CallContract:
     shape: ConvShape
     residual: bool         # whether the kernel adds a residual
     device_id: int
+    pool: bool = False     # whether its output is the 2x2 max pool of the conv's (Epilogue.pool)
 
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
-        return (batch, self.shape.out_channels, self.shape.out_h, self.shape.out_w)
+        s = self.shape
+        if self.pool:
+            return (batch, s.out_channels, s.out_h // 2, s.out_w // 2)
+        return (batch, s.out_channels, s.out_h, s.out_w)
 
     def arrays(self, x: Any, out: Any, residual: Any) -> Tuple[Any, Any, Any]:
         """(x, out, residual) as CuPy arrays, checked; out allocated when None."""
@@ -326,13 +332,21 @@ class BatchStep:
     x_offset: int
     out_offset: int
     workspace: int                  # device pointer of the partial sums; 0: the kernel writes out
+    # Where the epilogue pools and this variant's kernel does not
+    # (tilings.pools_in_kernel): the conv's output goes to `scratch`, and
+    # `pool` (sparseconv.pool's kernel: scratch, y, size) writes y from it.
+    pool: Optional[PreparedLaunch] = None
+    scratch: int = 0
 
     def run(self, x: int, out: int, residual: int, stream: int) -> None:
         y = out + self.out_offset
-        res = residual + self.out_offset if residual else 0
-        self.conv(stream, x + self.x_offset, self.workspace or y, None, res)  # None: the bias stays
+        res = residual + self.out_offset if residual else 0  # no residual goes with a pool (Epilogue)
+        conv_out = self.scratch or y
+        self.conv(stream, x + self.x_offset, self.workspace or conv_out, None, res)  # None: the bias stays
         if self.reduce is not None:
-            self.reduce(stream, None, y, res, None, None, int(res != 0))  # None: workspace, total, slices stay
+            self.reduce(stream, None, conv_out, res, None, None, int(res != 0))  # None: workspace, total, slices
+        if self.pool is not None:
+            self.pool(stream, None, y)  # None: the scratch stays
 
 
 class Conv2dKernel:
@@ -342,7 +356,8 @@ class Conv2dKernel:
     float32 C-contiguous CUDA array (CuPy, or anything with
     __cuda_array_interface__ / DLPack such as a torch tensor) and y a CuPy
     (N, K, Ho, Wo) array: y = act(conv(x) + bias + residual), the epilogue
-    the layer was compiled with. The launch is asynchronous on `stream`
+    the layer was compiled with (with its pool, the (N, K, Ho // 2, Wo // 2)
+    max pool of that). The launch is asynchronous on `stream`
     (default: CuPy's current stream).
 
     A kernel may hold several compiled variants of the layer, each for batches
@@ -350,8 +365,11 @@ class Conv2dKernel:
     image gives too few blocks to fill the GPU, unsplit for larger batches);
     the call picks by the batch size. A split variant whose slices are not
     summed in a cluster (Tiling.slice_sum) keeps its partial sums in a
-    workspace of the kernel's own (one per batch size, allocated on first use):
-    calls of one kernel must not run concurrently on different streams."""
+    workspace of the kernel's own (one per batch size, allocated on first use),
+    and where the epilogue pools (Epilogue.pool) a variant whose kernel
+    cannot take the pool writes the conv's output to a scratch buffer of the
+    same kind, pooled into y by a second launch: calls of one kernel must not
+    run concurrently on different streams."""
 
     backend = "sparseconv"
     launches_pointers = True  # launch_pointers serves it (not DenseConv2dKernel's cuDNN call)
@@ -369,7 +387,8 @@ class Conv2dKernel:
         if any(v.shape != self.shape or v.epilogue != self.epilogue for _, v in variants):
             raise ValueError("variants of a kernel must share the layer shape and epilogue")
         self.device_id = cupy.cuda.Device().id
-        self.contract = CallContract(self.layer.name, self.shape, self.epilogue.residual, self.device_id)
+        self.contract = CallContract(self.layer.name, self.shape, self.epilogue.residual, self.device_id,
+                                     self.epilogue.pool)
         # (up_to_batch, layer, function); the module is kept alive beside its function
         loaded = [(up_to, v, load_kernel(v.artifact, v.artifact_suffix, v.entry)) for up_to, v in variants]
         for _, v, (_, fn) in loaded:
@@ -385,6 +404,7 @@ class Conv2dKernel:
         # non-blocking one, which would not wait for the copy.
         cupy.cuda.get_current_stream().synchronize()
         self._workspace: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> partial sums of the slices
+        self._scratch: Dict[Tuple[int, int], Any] = {}  # (variant, batch) -> the conv's output, to be pooled
         self._plans: Dict[int, Tuple[BatchStep, ...]] = {}  # batch -> launch_pointers' steps
         self.stats = dict(self.layer.stats)
         if len(variants) > 1:
@@ -427,11 +447,13 @@ class Conv2dKernel:
 
         index, layer, fn = self.variant(batch)
         s = self.shape
-        in_bytes, out_bytes = 4 * s.in_channels * s.in_h * s.in_w, 4 * s.out_channels * s.out_h * s.out_w
+        in_bytes, out_bytes = 4 * s.in_channels * s.in_h * s.in_w, 4 * math.prod(self.output_shape(1))
+        conv_shape = (s.out_channels, s.out_h, s.out_w)  # of one image, before any pool
         step = layer.max_batch_per_launch
         # partial sums through a workspace and a second launch, unless the
         # kernel's clusters add them (Tiling.slice_sum)
         workspace = layer.tiling.slices > 1 and layer.tiling.slice_sum == "kernel"
+        pool_after = self.epilogue.pool and not pools_in_kernel(s, layer.tiling)
         null = ctypes.c_void_p
         steps = []
         for first in range(0, batch, step):
@@ -444,14 +466,20 @@ class Conv2dKernel:
             if workspace:
                 key = (index, count)
                 if key not in self._workspace:
-                    self._workspace[key] = cupy.empty((layer.tiling.slices, count) + self.output_shape(1)[1:],
-                                                      cupy.float32)
+                    self._workspace[key] = cupy.empty((layer.tiling.slices, count) + conv_shape, cupy.float32)
                 ws = self._workspace[key].data.ptr
-                total = count * out_bytes // 4
+                total = count * math.prod(conv_shape)
                 reduce = PreparedLaunch(reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
                                         reduce_values(ws, 0, 0, total, layer.tiling.slices, self.epilogue.bounds),
                                         self.device_id)
-            steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws))
+            scratch, pool = 0, None
+            if pool_after:
+                key = (index, count)
+                if key not in self._scratch:
+                    self._scratch[key] = cupy.empty((count,) + conv_shape, cupy.float32)
+                scratch = self._scratch[key].data.ptr
+                pool = prepared_max_pool(self.device_id, scratch, (count,) + conv_shape, FUSED_POOL)
+            steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws, pool, scratch))
         return tuple(steps)
 
     def variant(self, batch: int) -> Tuple[int, CompiledLayer, Any]:
@@ -493,14 +521,19 @@ class DenseConv2dKernel(Conv2dKernel):
     def _launch(self, x: Any, out: Any, residual: Any = None) -> None:
         import cupy
 
-        self._dense(x, out)
+        s = self.shape
+        conv_out = cupy.empty((x.shape[0], s.out_channels, s.out_h, s.out_w), cupy.float32) \
+            if self.epilogue.pool else out
+        self._dense(x, conv_out)
         if residual is not None:
-            cupy.add(out, residual, out=out)
+            cupy.add(conv_out, residual, out=conv_out)
         lo, hi = self.epilogue.bounds
         if lo is not None or hi is not None:  # a clamp that keeps NaN, like the kernels
             lo_v = np.float32(-np.inf if lo is None else lo)
             hi_v = np.float32(np.inf if hi is None else hi)
-            cupy.copyto(out, cupy.where(out < lo_v, lo_v, cupy.where(out > hi_v, hi_v, out)))
+            cupy.copyto(conv_out, cupy.where(conv_out < lo_v, lo_v, cupy.where(conv_out > hi_v, hi_v, conv_out)))
+        if self.epilogue.pool:
+            max_pool2d(self.device_id, conv_out, out, FUSED_POOL)
 
 
 class LinearKernel:

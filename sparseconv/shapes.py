@@ -24,7 +24,7 @@ SLICE_SUMS = ("kernel", "cluster")
 # The order a pointwise block's threads walk an image's output pixels
 # (Tiling.pixel_order): "rows", row-major; "quads", 2x2 windows in row-major
 # order of windows, four adjacent threads a window, so that a 2x2 max pool
-# after the conv could be taken among them (docs/pending: VGG's pools).
+# after the conv is taken among them (Epilogue.pool, tilings.pools_in_kernel).
 PIXEL_ORDERS = ("rows", "quads")
 # Blocks in one cluster: 8 is portable; the H100 allows 16 once the kernel
 # opts in (runtime: the non-portable cluster size attribute).
@@ -247,13 +247,16 @@ class Tiling:
 class Epilogue:
     """What a kernel does to each output at the store, after the bias: add a
     residual tensor of the output's shape (a ResNet shortcut), then an
-    activation. Fusing these saves a pass over memory each. Exact fp32:
-    y = act(conv(x) + bias + residual), each sum started at bias + residual
-    (a split reduction adds the residual after the slices instead)."""
+    activation, then (pool) a 2x2 max pool of stride 2 (VGG's Conv -> ReLU ->
+    MaxPool). Fusing these saves a pass over memory each. Exact fp32:
+    y = pool(act(conv(x) + bias + residual)), each sum started at bias +
+    residual (a split reduction adds the residual after the slices instead).
+    With pool the output is (out_h // 2, out_w // 2), torch's floor mode."""
 
     activation: str = "none"                       # one of ACTIVATIONS
     clip: Optional[Tuple[float, float]] = None     # (lo, hi), for activation "clip" only
     residual: bool = False
+    pool: bool = False                             # a 2x2 max pool, stride 2, after the activation
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -267,6 +270,11 @@ class Epilogue:
             object.__setattr__(self, "clip", (float(lo), float(hi)))
         if not isinstance(self.residual, bool):
             raise TypeError(f"residual must be a bool, got {self.residual!r}")
+        if not isinstance(self.pool, bool):
+            raise TypeError(f"pool must be a bool, got {self.pool!r}")
+        if self.pool and self.residual:
+            # the residual would be shaped as the conv's output, the kernel's output as the pool's
+            raise ValueError("pool=True with residual=True is not fused: add the residual before a separate pool")
 
     @property
     def bounds(self) -> Tuple[Optional[float], Optional[float]]:
@@ -284,7 +292,15 @@ class Epilogue:
         parts = ["bias"] + (["+ residual"] if self.residual else [])
         if self.activation != "none":
             parts.append(f"-> {self.activation}" + (f"{self.clip}" if self.clip else ""))
+        if self.pool:
+            parts.append("-> max pool 2x2")
         return " ".join(parts)
+
+    def output_hw(self, shape: ConvShape) -> Tuple[int, int]:
+        """(height, width) of what the kernel writes: the conv's output, or the pool's."""
+        if self.pool:
+            return shape.out_h // 2, shape.out_w // 2
+        return shape.out_h, shape.out_w
 
 
 @dataclass(frozen=True)

@@ -323,6 +323,9 @@ class TableConv2d:
                  epilogue: Epilogue = Epilogue(), tiling: Optional[TableTiling] = None, name: str = "conv") -> None:
         import cupy
 
+        if epilogue.pool:
+            raise ValueError(f"{name}: the weight table does not pool; build it with Epilogue(pool=False) and pool "
+                             "its output (fx.FusedConv2d does)")
         self.shape, self.epilogue, self.name = shape, epilogue, name
         try:
             entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take

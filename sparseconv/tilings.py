@@ -987,3 +987,24 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
     out = out[:max(1, limit - len(wide))]
     out += [t for t in wide if t not in out]
     return out[:limit]
+
+
+def pools_in_kernel(shape: ConvShape, tiling: Tiling) -> bool:
+    """Whether a kernel of this tiling takes an epilogue's 2x2 max pool among
+    its own threads: pointwise, unsplit (a split's slices are summed after the
+    kernel), its pixels walked by 2x2 windows, and whole warps (the four
+    lanes of a window exchange their values by shuffles). Other variants of a
+    pooled layer write the conv's output to a scratch buffer and the runtime
+    pools it after (runtime.Conv2dKernel)."""
+    return (tiling.family == "pointwise" and tiling.slices == 1 and tiling.pixel_order == "quads"
+            and tiling.threads % 32 == 0 and shape.out_h % 2 == 0 and shape.out_w % 2 == 0)
+
+
+def pooled_tiling(shape: ConvShape, tiling: Tiling) -> Tiling:
+    """The tiling a layer whose epilogue pools is built with: `tiling` with
+    its pixels walked by 2x2 windows where that lets the kernel take the pool
+    (pools_in_kernel), else `tiling` unchanged. On VGG-16's five pooled convs
+    at batch 64 the window order alone cost 2.1% (+126 us of 5,891;
+    docs/PERFORMANCE.md, session 52), less than the pools it removes."""
+    quads = replace(tiling, pixel_order="quads") if tiling.family == "pointwise" else tiling
+    return quads if pools_in_kernel(shape, quads) else tiling

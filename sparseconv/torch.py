@@ -156,8 +156,8 @@ def _compile(convs: Dict[str, Any], shapes: Dict[str, Any], *, tiling: Optional[
     variant (table_layers: see compile_layers); with tiling/backend "auto",
     one tuned compile per layer."""
     layers = [(name, _host(m.weight), _host(m.bias), shapes[name]) for name, m in convs.items()]
-    epilogues = {name: Epilogue(activation=m.activation, clip=m.clip, residual=m.residual)
-                 for name, m in convs.items()}
+    epilogues = {name: Epilogue(activation=m.activation, clip=m.clip, residual=m.residual,
+                                pool=getattr(m, "pool", False)) for name, m in convs.items()}
     linears = {name for name, m in convs.items() if isinstance(m, FusedLinear)}
     return compile_layers(layers, tiling=tiling, backend=backend, tune_batch=tune_batch, cache_dir=cache_dir,
                           jobs=jobs, progress=progress, epilogues=epilogues, linears=linears,
@@ -232,7 +232,9 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
         if table and isinstance(m, FusedConv2d):
             import cupy
             with cupy.cuda.Device(device.index):
-                m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
+                # the table kernel does not pool: FusedConv2d pools its output after
+                m.table = routable_table(_host(m.weight), _host(m.bias), s, replace(m.kernel.epilogue, pool=False),
+                                         sizes, name)
         elif table and isinstance(m, FusedLinear) and min(sizes) <= MAX_GEMV_BATCH:
             import cupy
             with cupy.cuda.Device(device.index):  # the sparse gemv, timed beside the code at small batches

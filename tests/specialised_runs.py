@@ -5,6 +5,7 @@ slices with the epilogue after it (what sc_reduce_slices does on the GPU), or,
 for a cluster sum, the output itself (the kernel adds the slices)."""
 import numpy as np
 
+from sparseconv.dense import max_pool_2x2
 from sparseconv.render import ENTRY_NAME
 from sparseconv.shapes import dynamic_shared_bytes, launch_grid, n_chunks
 
@@ -21,7 +22,7 @@ def run_ptx(ptx, rendered, x, bias, residual=None, shared_bytes=None):
     shape, t = rendered.shape, rendered.tiling
     n = x.shape[0]
     outputs = 1 if t.slice_sum == "cluster" else t.slices
-    y = np.full((outputs, n, shape.out_channels, shape.out_h, shape.out_w), np.nan, np.float32)
+    y = np.full((outputs, n, shape.out_channels) + rendered.epilogue.output_hw(shape), np.nan, np.float32)
     run_kernel(ptx, ENTRY_NAME, grid=launch_grid(shape, t, n), block=(t.threads, 1, 1),
                args=[np.ascontiguousarray(x), y, bias, residual if residual is not None else 0, n,
                      n_chunks(shape, t)],
@@ -35,7 +36,8 @@ def run_ptx(ptx, rendered, x, bias, residual=None, shared_bytes=None):
 
 
 def apply_epilogue(y, epilogue, residual):
-    """y + residual, then the activation's clamp, in y's dtype (the reference's side)."""
+    """y + residual, then the activation's clamp, then the 2x2 max pool
+    (floor mode), in y's dtype (the reference's side)."""
     if epilogue.residual:
         y = y + residual
     lo, hi = epilogue.bounds
@@ -43,4 +45,4 @@ def apply_epilogue(y, epilogue, residual):
         y = np.where(y < lo, lo, y).astype(y.dtype)
     if hi is not None:
         y = np.where(y > hi, hi, y).astype(y.dtype)
-    return y
+    return max_pool_2x2(y) if epilogue.pool else y

@@ -423,3 +423,26 @@ def test_the_ptxas_level_is_part_of_the_tiling_and_of_the_cache_key(tmp_path):
         assert o1.artifact[:4] == b"\x7fELF" and o1.artifact != o3.artifact  # ... assembled differently
     assert "ptxas -O1" in t1.describe() and "ptxas" not in t3.describe()
     assert build_conv2d(w, shape, tiling=t1, cache=cache).stats["kernel_cache_hit"]
+
+
+def test_a_pooled_layer_walks_quads_where_its_kernel_pools_and_builds_the_plain_kernel_elsewhere(tmp_path):
+    """Epilogue.pool: a pointwise, unsplit tiling is built walking 2x2 windows
+    with the pool in its kernel; a split one is built exactly as without the
+    pool (a cache hit on the plain build), the runtime pooling after it."""
+    from sparseconv.shapes import Epilogue
+    from sparseconv.tilings import pools_in_kernel
+
+    shape = ConvShape(6, 8, 8, 12, 3, 3, padding=(1, 1))
+    w = pruned_weight(np.random.default_rng(3), shape.weight_shape, 0.7)
+    cache = ArtifactCache(tmp_path)
+    pooled = Epilogue("relu", pool=True)
+    whole = Tiling(8, 3, 1, 32, 1, 1, family="pointwise")
+    layer = build_conv2d(w, shape, tiling=whole, cache=cache, epilogue=pooled)
+    assert layer.tiling == replace(whole, pixel_order="quads") and pools_in_kernel(shape, layer.tiling)
+    assert layer.epilogue == pooled and "max pool 2x2" in layer.stats["epilogue"]
+    split = Tiling(8, 3, 1, 32, 1, 1, family="pointwise", slices=2)
+    plain = build_conv2d(w, shape, tiling=split, cache=cache, epilogue=Epilogue("relu"))
+    again = build_conv2d(w, shape, tiling=split, cache=cache, epilogue=pooled)
+    assert again.tiling == split and not pools_in_kernel(shape, again.tiling)
+    assert again.stats["kernel_cache_hit"] and again.ptx_sha256 == plain.ptx_sha256
+    assert again.epilogue == pooled and "max pool" not in again.stats["epilogue"]

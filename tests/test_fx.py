@@ -90,6 +90,58 @@ def test_every_chain_spelling_fuses_and_matches_in_float64():
     assert isinstance(m.c1, nn.Conv2d)  # the model itself is untouched
 
 
+class Pools(nn.Module):
+    """VGG's Conv -> ReLU -> MaxPool2d(2, 2) and the spellings around it: the
+    pools that fuse (module, F.max_pool2d, ceil_mode on even sides, no
+    activation before) and those that must not (a 3x3 window, stride 1,
+    padding, ceil_mode on an odd side, after a residual add, indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vgg, self.r, self.p = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2, 2)
+        self.functional = nn.Conv2d(8, 8, 1)
+        self.ceil_even, self.p_ceil = nn.Conv2d(8, 8, 1), nn.MaxPool2d(2, ceil_mode=True)
+        self.window3, self.p3 = nn.Conv2d(8, 8, 3, padding=1), nn.MaxPool2d(3, 2)
+        self.stride1 = nn.Conv2d(8, 8, 1)
+        self.padded = nn.Conv2d(8, 8, 1)
+        self.ceil_odd = nn.Conv2d(8, 8, 1)
+        self.residual = nn.Conv2d(8, 8, 1)
+        self.indices = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        a = self.p(self.r(self.vgg(x)))                                     # 16x12 -> 8x6
+        b = F.max_pool2d(torch.relu(self.functional(a)), 2)                 # -> 4x3
+        c = self.p_ceil(self.ceil_even(a))                                  # no activation; even: floor = ceil
+        d = self.p3(self.window3(c))                                        # 3x3 window: left alone
+        e = F.max_pool2d(self.stride1(a), 2, 1)                             # stride 1: left alone
+        f = F.max_pool2d(self.padded(a), 2, 2, 1)                           # padding: left alone
+        g = F.max_pool2d(self.ceil_odd(b), 2, ceil_mode=True)               # 4x3, ceil_mode: left alone
+        h = F.max_pool2d(torch.relu(self.residual(a) + a), 2)               # after an add: the add fuses
+        i, _ = F.max_pool2d(self.indices(a), 2, return_indices=True)        # indices: left alone
+        return [b, d, e, f, g, h, i]
+
+
+def test_a_2x2_max_pool_fuses_into_the_conv_before_it_and_matches_in_float64():
+    m = prune_(Pools()).double()
+    x = torch.randn(2, 3, 16, 12, dtype=torch.float64)
+    front = prepare(m, x, dtypes=F64)
+    with torch.no_grad():
+        for got, want in zip(front.module(x), m(x)):
+            assert got.shape == want.shape and rel(got, want) <= 1e-10
+    fused = {p.name: p.fused for p in front.plans}
+    assert fused == {"vgg": ("relu", "maxpool"), "functional": ("relu", "maxpool"), "ceil_even": ("maxpool",),
+                     "window3": (), "stride1": (), "padded": (), "ceil_odd": (), "residual": ("add", "relu"),
+                     "indices": ()}
+    assert front.convs["vgg"].pool and not front.convs["residual"].pool
+    assert sum(isinstance(mod, nn.MaxPool2d) for mod in front.module.modules()) == 1  # p3 alone is left
+
+
+def test_a_fused_conv_refuses_a_pool_with_a_residual():
+    with pytest.raises(ValueError, match="pools or adds a residual, not both"):
+        FusedConv2d(torch.zeros(4, 4, 1, 1), None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
+                    residual=True, pool=True, name="c")
+
+
 class OneBound(nn.Module):
     """Clamps with one bound, as an ONNX Clip with min or max alone converts."""
 

@@ -85,8 +85,8 @@ def test_an_onnx_file_runs_through_the_network_bench(session_cache_dir):
     report = run_network_bench(str(path), (1, 16), variants=["sparseconv", "eager fp32"], repeat=3,
                                cache_dir=str(session_cache_dir), progress=False)
     assert report.network == "lenet_digits_pruned.onnx" and report.input_size == (8, 8) and report.sparsity is None
-    assert sum(report.plan.values()) >= 2   # its two convs, with their ReLU fused
-    assert all(d["fused"] == "relu" for d in report.plan_layers if d["kind"] == "conv")
+    assert sum(report.plan.values()) >= 2   # its two convs, with their ReLU and 2x2 max pool fused
+    assert all(d["fused"] == "relu+maxpool" for d in report.plan_layers if d["kind"] == "conv")
     for t in report.timings:
         assert t.us > 0 and t.rel_l2 <= 1e-5 and t.top1 == 1.0, t
     assert "| lenet_digits_pruned.onnx, 16 |" in format_table([report])

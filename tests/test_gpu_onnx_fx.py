@@ -147,7 +147,7 @@ def test_cli_run_through_fx_checks_against_the_dense_reference(session_cache_dir
     assert s["front_end"] == "fx" and s["same_predictions"] == 450 and s["relative_l2_vs_reference"] <= 1e-5
     assert s["cuda_graphs"] == {"128x1x8x8": "captured", "66x1x8x8": "captured"}, s["cuda_graphs"]
     for info in s["layers"].values():
-        assert [t["batch"] for t in info["route"]["times_us"]] == [1, 64] and info["fused"] == ["relu"]
+        assert [t["batch"] for t in info["route"]["times_us"]] == [1, 64] and info["fused"] == ["relu", "maxpool"]
     assert np.load(out).shape == (450, 10)
 
 

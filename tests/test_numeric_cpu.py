@@ -212,6 +212,13 @@ FAMILY_LAYERS = {
                              replace(_pointwise(8, 4, 2, 32), pixel_order="quads"), Epilogue()),
     "pw_quads_cluster": (ConvShape(8, 4, 4, 6, 1, 1),
                          replace(_pointwise(4, 2, 1, 32, 2, "cluster"), pixel_order="quads"), Epilogue("relu6")),
+    # the 2x2 max pool in the epilogue (Epilogue.pool), taken among a quad's
+    # lanes: a 3x3 with a k-block tail after a ReLU, the batch's last block
+    # partial; and two pixels a thread, two warps, no activation
+    "pw3x3_quads_pool": (ConvShape(4, 6, 6, 8, 3, 3, (1, 1), (1, 1)),
+                         replace(_pointwise(4, 2, 1, 32), pixel_order="quads"), Epilogue("relu", pool=True)),
+    "pw_quads_pool_2px": (ConvShape(6, 8, 8, 12, 1, 1),
+                          replace(_pointwise(8, 4, 2, 64), pixel_order="quads"), Epilogue(pool=True)),
     "pw_stride2_split": (ConvShape(10, 12, 7, 6, 1, 1, (2, 2)), _pointwise(4, 4, 2, 32, 2), Epilogue()),
     "pw_padding_clip": (ConvShape(6, 8, 5, 5, 1, 1, (1, 1), (1, 1)), _pointwise(8, 4, 1, 32),
                         Epilogue("clip", clip=(-0.5, 0.7))),

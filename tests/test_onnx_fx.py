@@ -49,9 +49,9 @@ def test_the_plan_says_what_each_converted_layer_fused_and_the_totals(tmp_path):
 def test_conv_fusion_totals_count_only_compiled_convs():
     front, _ = _front_end(LENET)
     assert [(p.name, p.kind, p.fused) for p in front.plans if p.kind == "conv"] == [
-        ("conv1", "conv", ("relu",)), ("conv2", "conv", ("relu",))]
-    assert conv_fusion_totals(front.plans) == ["0 BatchNormalization folded, 0 residual adds and 2 activations fused "
-                                          "into the conv kernels (2 of 2 convs)"]
+        ("conv1", "conv", ("relu", "maxpool")), ("conv2", "conv", ("relu", "maxpool"))]
+    assert conv_fusion_totals(front.plans) == ["0 BatchNormalization folded, 0 residual adds, 2 activations and 2 max "
+                                          "pools fused into the conv kernels (2 of 2 convs)"]
     assert conv_fusion_totals([p for p in front.plans if p.kind != "conv"]) == []
 
 

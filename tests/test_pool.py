@@ -190,3 +190,14 @@ def test_the_runner_returns_a_1x1_pools_input_as_it_is():
         assert _pool(np, x, {"kernel_shape": (1, 1), "strides": (1, 1), "ceil_mode": 1}, reduce) is x
     padded = _pool(np, x, {"kernel_shape": (1, 1), "pads": (1, 0, 0, 0), "count_include_pad": 1}, "mean")
     assert padded.shape == (2, 3, 6, 4) and np.array_equal(padded[:, :, 1:], x)  # padded: not the input
+
+
+def test_the_epilogue_pool_reference_is_torchs_2x2_max_pool():
+    """dense.max_pool_2x2 (the reference side of Epilogue.pool, behind
+    epilogue_reference) against nn.MaxPool2d(2, 2), odd sides included."""
+    from sparseconv.dense import epilogue_reference
+    from sparseconv.shapes import Epilogue
+
+    y = np.random.default_rng().standard_normal((2, 3, 7, 10))
+    want = torch.nn.MaxPool2d(2, 2)(torch.relu(torch.from_numpy(y))).numpy()
+    assert np.array_equal(epilogue_reference(y, Epilogue("relu", pool=True)), want)

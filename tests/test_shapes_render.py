@@ -176,3 +176,34 @@ def test_quad_order_walks_the_output_by_2x2_windows(out_h, out_w):
             cols = sorted({p % out_w for p in walk[start:start + 4]})
             assert len(rows) == len(cols) == 2 and rows[0] % 2 == 0 and cols[0] % 2 == 0
             assert rows[1] == rows[0] + 1 and cols[1] == cols[0] + 1
+
+
+def test_an_epilogue_pool_is_checked_described_and_rendered_only_where_the_kernel_takes_it():
+    from dataclasses import replace
+
+    from sparseconv.shapes import Epilogue
+    from sparseconv.tilings import pooled_tiling, pools_in_kernel
+
+    with pytest.raises(ValueError, match="pool=True with residual=True"):
+        Epilogue(pool=True, residual=True)
+    with pytest.raises(TypeError, match="pool must be a bool"):
+        Epilogue(pool=1)
+    shape = ConvShape(8, 8, 10, 14, 3, 3, padding=(1, 1))
+    ep = Epilogue("relu", pool=True)
+    assert ep.describe() == "bias -> relu -> max pool 2x2"
+    assert ep.output_hw(shape) == (5, 7) and Epilogue().output_hw(shape) == (10, 14)
+    assert ep.output_hw(ConvShape(8, 8, 7, 9, 1, 1)) == (3, 4)  # floor mode, as nn.MaxPool2d(2, 2)
+    rows = Tiling(8, 4, 1, 64, 1, 1, family="pointwise")
+    quads = pooled_tiling(shape, rows)
+    assert quads == replace(rows, pixel_order="quads") and pools_in_kernel(shape, quads)
+    source = render(shape, quads, ep).source
+    assert "#define POOL           1" in source and "__shfl_xor_sync" in source
+    assert "#define POOL           0" in render(shape, quads, Epilogue("relu")).source
+    # what cannot pool among its threads keeps its tiling, and render refuses the pool for it
+    for tiling, why in [(replace(rows, slices=2), "split"), (Tiling(8, 4, 4, 8), "direct"),
+                        (Tiling(8, 4, 1, 48, 1, 1, family="pointwise"), "partial warps")]:
+        assert pooled_tiling(shape, tiling) == tiling and not pools_in_kernel(shape, tiling), why
+        with pytest.raises(ValueError, match="cannot take the pool in the kernel"):
+            render(shape, tiling, ep)
+    odd = ConvShape(8, 8, 7, 9, 1, 1)
+    assert pooled_tiling(odd, rows) == rows and not pools_in_kernel(odd, rows)
