@@ -883,10 +883,11 @@ def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     return False
 
 
-def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool) -> Tuple[List[fx.Node], Dict[str, Any]]:
+def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool,
+           fuse_pools: bool = True) -> Tuple[List[fx.Node], Dict[str, Any]]:
     """The nodes after conv_node that fuse into it (each the only user of the
     one before), and what they are: {"bn", "residual", "activation", "clip",
-    "pool"}."""
+    "pool" (only with fuse_pools)}."""
     found: Dict[str, Any] = {}
     chain: List[fx.Node] = []
     cur = conv_node
@@ -923,7 +924,7 @@ def _chain(conv_node: fx.Node, modules: Dict[str, nn.Module], fuse: bool) -> Tup
             cur = nxt
             nxt = only_user(cur)
     # A pool after a residual add is left alone (shapes.Epilogue takes one or the other).
-    if nxt is not None and "residual" not in found and _fused_pool(nxt, cur, modules):
+    if fuse_pools and nxt is not None and "residual" not in found and _fused_pool(nxt, cur, modules):
         found["pool"] = True
         chain.append(nxt)
     return chain, found
@@ -980,7 +981,7 @@ def _shape_prop(gm: fx.GraphModule, example_input: torch.Tensor) -> None:
 
 def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: float = 0.0, fuse: bool = True,
             dtypes: Sequence[torch.dtype] = (torch.float32,),
-            linear: LinearOptions = LinearOptions(enabled=False)) -> FrontEnd:
+            linear: LinearOptions = LinearOptions(enabled=False), fuse_pools: bool = True) -> FrontEnd:
     """Trace `model` (left unchanged), fold BN and fuse epilogues into
     FusedConv2d nodes for every eligible conv; fall back to the per-module swap
     on a deep copy when torch.fx cannot trace it. Runs the model once on
@@ -988,7 +989,9 @@ def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: floa
     that count as compilable (float32 for the GPU kernels; tests also use
     float64 to check the passes to 1e-10). `linear` (enabled by
     sparseconv.torch.sparsify): also turn eligible nn.Linear modules, with a
-    following activation, into FusedLinear nodes (LinearOptions)."""
+    following activation, into FusedLinear nodes (LinearOptions).
+    fuse_pools (with fuse): also fuse a following 2x2 max pool of stride 2
+    (sparsify's pools=False leaves every pool to torch)."""
     import copy
 
     # One forward first: it also turns torch.nn.utils.prune's computed `weight`
@@ -1016,11 +1019,12 @@ def prepare(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: floa
         plans = [p if p.action == "kept" else ConvPlan(p.name, p.action, note, p.sparsity, p.shape, kind=p.kind)
                  for p in plans]
         return FrontEnd(model, plans, convs, False, error)
-    return _rewrite(model, gm, min_sparsity, fuse, dtypes, linear)
+    return _rewrite(model, gm, min_sparsity, fuse, dtypes, linear, fuse_pools)
 
 
 def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bool,
-             dtypes: Sequence[torch.dtype], linear: LinearOptions = LinearOptions(enabled=False)) -> FrontEnd:
+             dtypes: Sequence[torch.dtype], linear: LinearOptions = LinearOptions(enabled=False),
+             fuse_pools: bool = True) -> FrontEnd:
     modules = dict(gm.named_modules())
     graph = gm.graph
     calls: Dict[str, List[fx.Node]] = {}
@@ -1042,7 +1046,7 @@ def _rewrite(model: nn.Module, gm: fx.GraphModule, min_sparsity: float, fuse: bo
         shape = checked[name][0]
         conv = modules[name]
         single = len(calls[name]) == 1 and len(node.args) == 1 and not node.kwargs
-        chain, found = _chain(node, modules, fuse and single)
+        chain, found = _chain(node, modules, fuse and single, fuse_pools)
         # The fused node runs where the chain ends: nothing in between may write
         # into the conv's input or the residual in place.
         if chain and any(_mutates(n, modules) for n in _between(node, chain[-1]) if n not in chain):

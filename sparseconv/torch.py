@@ -264,7 +264,8 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     float32, use a non-zero padding_mode, see several input sizes, or are less
     sparse than `min_sparsity` stay as they are. fuse=True folds eval-mode
     BatchNorm into the conv and fuses a following residual add and ReLU /
-    ReLU6 / hardtanh / clamp into the kernel's epilogue. The layers compile in
+    ReLU6 / hardtanh / clamp into the kernel's epilogue, and (with pools) a
+    2x2 max pool of stride 2 after them (VGG's): the plan says what fused. The layers compile in
     parallel (`jobs` processes, a progress bar on stderr unless
     progress=False) and are cached in `cache_dir`. tiling="auto" times
     candidate tilings per layer; backend="auto" also times cuDNN strict fp32
@@ -312,13 +313,15 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     (fc6); max_linear_weights=None lifts the first bound. The plan lists them
     with kind "linear".
 
-    pools=True (default) swaps each nn.MaxPool2d (without return_indices)
-    for sparseconv.pool's kernel on CUDA float32 inputs: the same maxima,
+    pools=True (default) fuses VGG's 2x2 max pools into the conv before them
+    (with fuse; not after a residual add) and swaps each other
+    nn.MaxPool2d (without return_indices) for sparseconv.pool's kernel on CUDA float32 inputs: the same maxima,
     without the int64 indices torch's CUDA pool also writes (ResNet-50's pool
     at batch 64 moves ~30% fewer bytes). `result.sparseconv_pools` lists them.
     In a traced model it also skips each pool that leaves its input as it is
     (an adaptive pool to its input's size, as VGG's after 7x7 features, or a
-    1x1 window at stride 1): `result.sparseconv_skipped_pools`.
+    1x1 window at stride 1): `result.sparseconv_skipped_pools`. pools=False
+    leaves every pool to torch.
 
     gemv=True (default) runs each nn.Linear that is not compiled (at least
     gemv.MIN_GEMV_FEATURES outputs) through a sparseconv.gemv kernel at
@@ -346,7 +349,7 @@ def sparsify(model: nn.Module, example_input: torch.Tensor, *, min_sparsity: flo
     if any(p.device != device for p in model.parameters()):
         raise ValueError(f"sparsify: every parameter of the model must be on {device}, like example_input")
     front = prepare(model, example_input, min_sparsity=min_sparsity, fuse=fuse,
-                    linear=LinearOptions(linear, max_linear_weights))
+                    linear=LinearOptions(linear, max_linear_weights), fuse_pools=pools)
     result, convs = front.module, front.convs
     if inplace and not front.traced and not isinstance(model, nn.Conv2d):
         # The per-module path swapped a copy's convs: swap the model's own instead.

@@ -134,6 +134,11 @@ def test_a_2x2_max_pool_fuses_into_the_conv_before_it_and_matches_in_float64():
                      "indices": ()}
     assert front.convs["vgg"].pool and not front.convs["residual"].pool
     assert sum(isinstance(mod, nn.MaxPool2d) for mod in front.module.modules()) == 1  # p3 alone is left
+    # sparsify's pools=False: every pool left to torch, the rest fused as before
+    kept = prepare(m, x, dtypes=F64, fuse_pools=False)
+    assert {p.name: p.fused for p in kept.plans} == {
+        name: tuple(f for f in fused if f != "maxpool") for name, fused in fused.items()}
+    assert not any(c.pool for c in kept.convs.values())
 
 
 def test_a_fused_conv_refuses_a_pool_with_a_residual():
