@@ -682,6 +682,8 @@ def test_non_numpy_files_are_not_answered_with_allow_pickle_advice(tmp_path):
     (dict(activation="relu", clip=(0.0, 1.0)), "clip=\\(lo, hi\\) is given with activation='clip'"),
     (dict(activation="clip", clip=(2.0, 1.0)), "lo <= hi"),
     (dict(residual="yes"), "residual must be a bool"),
+    (dict(pool=1), "pool must be a bool"),
+    (dict(pool=True, residual=True), "pool=True with residual=True is not fused"),
     (dict(progress="no"), "progress must be True or False, got 'no'"),
 ])
 def test_compile_conv2d_refuses_a_bad_epilogue_before_building(tmp_path, kwargs, message):
