@@ -211,12 +211,16 @@ class FusedConv2d(_KernelNode):
 
     def reference(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The chain in torch, in x's dtype."""
+        y = self._before_pool(x, residual)
+        return F.max_pool2d(y, 2, 2) if self.pool else y
+
+    def _before_pool(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """conv + bias (+ residual), then the activation, in torch, in x's dtype."""
         b = None if self.bias is None else self.bias.to(x.dtype)
         y = F.conv2d(x, self.weight.to(x.dtype), b, self.stride, self.padding, self.dilation, self.groups)
         if residual is not None:
             y = y + residual
-        y = act_forward(y, self.activation, self.clip)
-        return F.max_pool2d(y, 2, 2) if self.pool else y
+        return act_forward(y, self.activation, self.clip)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.residual != (residual is not None):
@@ -235,10 +239,8 @@ class FusedConv2d(_KernelNode):
         """cuDNN in strict fp32 (TF32 off whatever the global setting), where it
         measured faster than the kernel at this batch size."""
         with torch_flags(torch, tf32=False, cudnn_benchmark=torch.backends.cudnn.benchmark):
-            if not self.pool:
-                return self.reference(x.detach(), None if residual is None else residual.detach())
-            y = F.conv2d(x.detach(), self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-            return self._pool_after(act_forward(y, self.activation, self.clip))
+            y = self._before_pool(x.detach(), None if residual is None else residual.detach())
+        return self._pool_after(y) if self.pool else y  # the pool without indices, as the other paths
 
     def _pool_after(self, y: torch.Tensor) -> torch.Tensor:
         """The fused pool on y, where the path that made y did not take it

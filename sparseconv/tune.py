@@ -90,7 +90,6 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     x = cupy.asarray(rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w), dtype=np.float32))
     out = cupy.empty((batch, shape.out_channels) + epilogue.output_hw(shape), cupy.float32)  # pooled, with a pool
     res = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)) if epilogue.residual else None
-    dense_out = cupy.empty((batch, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)
     layers = {layer.tiling.describe(): layer for layer in built.values()}
     kernels = {d: Conv2dKernel(layer, bias) for d, layer in layers.items()}
     flush = l2_flush(cupy.empty(l2_scratch_floats(cupy.cuda.Device().attributes.get("L2CacheSize")), cupy.float32),
@@ -104,6 +103,7 @@ def tune_conv2d(weight: np.ndarray, shape: ConvShape, bias: Optional[np.ndarray]
     best = min(layers, key=lambda d: times[d])
     backend = SPARSE
     if dense is not None:  # like with like: both by events around launches
+        dense_out = cupy.empty((batch, shape.out_channels, shape.out_h, shape.out_w), cupy.float32)  # unpooled
         times[DENSE] = median_us(lambda: dense(x, dense_out), batch)
         times[SPARSE_EVENTS] = median_us(lambda: kernels[best](x, out=out, residual=res), batch)
         backend = DENSE if times[DENSE] < times[SPARSE_EVENTS] else SPARSE
