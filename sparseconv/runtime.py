@@ -158,17 +158,49 @@ extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float*
         y[i] = v;
     }
 }
+
+// The same sum where the epilogue pools (Epilogue.pool) and the split
+// variant's kernel cannot: a thread sums the slices of one 2x2 window's four
+// pixels, clamps each, and stores their max (row order from -inf, a NaN
+// wins: sparseconv.pool's window_max), so the unpooled output is never
+// written or read back and no pool launch follows. Odd sides drop their last
+// row or column, as torch's floor does. No residual: a pool never takes one.
+extern "C" __global__ void sc_reduce_slices_pool(const float* __restrict__ ws, float* __restrict__ y,
+        long long total, int slices, int conv_h, int conv_w, long long pooled,
+        int has_lo, float lo, int has_hi, float hi)
+{
+    SC_WAIT_FOR_PREVIOUS_KERNEL();
+    SC_LET_NEXT_KERNEL_START();
+    const int out_h = conv_h / 2, out_w = conv_w / 2;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pooled;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long plane = i / (out_h * out_w);
+        const int p = (int)(i - plane * (out_h * out_w));
+        const long long corner = plane * conv_h * conv_w + 2LL * (p / out_w) * conv_w + 2 * (p % out_w);
+        float m = -__int_as_float(0x7f800000);
+        for (int r = 0; r < 2; ++r)
+            for (int c = 0; c < 2; ++c) {
+                const long long j = corner + r * conv_w + c;
+                float v = ws[j];
+                for (int s = 1; s < slices; ++s) v += ws[s * total + j];
+                if (has_lo) v = v < lo ? lo : v;
+                if (has_hi) v = v > hi ? hi : v;
+                if (v > m || v != v) m = v;
+            }
+        y[i] = m;
+    }
+}
 """
-_reduce_kernels: Dict[int, Any] = {}
+_reduce_kernels: Dict[Tuple[int, str], Any] = {}
 
 
-def reduce_kernel(device_id: int) -> Any:
-    """sc_reduce_slices on this GPU, compiled on first use."""
+def reduce_kernel(device_id: int, name: str = "sc_reduce_slices") -> Any:
+    """sc_reduce_slices (or sc_reduce_slices_pool) on this GPU, compiled on first use."""
     import cupy
 
-    if device_id not in _reduce_kernels:
-        _reduce_kernels[device_id] = cupy.RawKernel(_REDUCE_SOURCE, "sc_reduce_slices")
-    return _reduce_kernels[device_id]
+    if (device_id, name) not in _reduce_kernels:
+        _reduce_kernels[device_id, name] = cupy.RawKernel(_REDUCE_SOURCE, name)
+    return _reduce_kernels[device_id, name]
 
 
 def reduce_grid(total: int) -> Tuple[int]:
@@ -185,6 +217,18 @@ def reduce_values(ws: int, y: int, residual: int, total: int, slices: int,
     return (ctypes.c_void_p(ws), ctypes.c_void_p(y), ctypes.c_void_p(residual), ctypes.c_int64(total),
             ctypes.c_int32(slices), ctypes.c_int32(residual != 0), ctypes.c_int32(lo is not None),
             ctypes.c_float(lo or 0.0), ctypes.c_int32(hi is not None), ctypes.c_float(hi or 0.0))
+
+
+def reduce_pool_values(ws: int, y: int, planes: int, conv_hw: Tuple[int, int], slices: int,
+                       bounds: Tuple[Optional[float], Optional[float]]) -> Tuple[Any, ...]:
+    """sc_reduce_slices_pool's arguments in its order, as ctypes values, for
+    `planes` (images x channels) conv outputs of conv_hw pooled 2x2 into y."""
+    lo, hi = bounds
+    conv_h, conv_w = conv_hw
+    return (ctypes.c_void_p(ws), ctypes.c_void_p(y), ctypes.c_int64(planes * conv_h * conv_w), ctypes.c_int32(slices),
+            ctypes.c_int32(conv_h), ctypes.c_int32(conv_w), ctypes.c_int64(planes * (conv_h // 2) * (conv_w // 2)),
+            ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0), ctypes.c_int32(hi is not None),
+            ctypes.c_float(hi or 0.0))
 
 
 def reduce_slices(device_id: int, ws: Any, y: Any, residual: Any = None,
@@ -337,13 +381,18 @@ class BatchStep:
     # `pool` (sparseconv.pool's kernel: scratch, y, size) writes y from it.
     pool: Optional[PreparedLaunch] = None
     scratch: int = 0
+    # Where a split variant's sum pools as it stores (sc_reduce_slices_pool:
+    # workspace, y, ...): no scratch and no pool launch.
+    reduce_pools: bool = False
 
     def run(self, x: int, out: int, residual: int, stream: int) -> None:
         y = out + self.out_offset
         res = residual + self.out_offset if residual else 0  # no residual goes with a pool (Epilogue)
         conv_out = self.scratch or y
         self.conv(stream, x + self.x_offset, self.workspace or conv_out, None, res)  # None: the bias stays
-        if self.reduce is not None:
+        if self.reduce_pools:
+            self.reduce(stream, None, y)  # type: ignore[misc]  # None: the workspace stays
+        elif self.reduce is not None:
             self.reduce(stream, None, conv_out, res, None, None, int(res != 0))  # None: workspace, total, slices
         if self.pool is not None:
             self.pool(stream, None, y)  # None: the scratch stays
@@ -368,8 +417,9 @@ class Conv2dKernel:
     workspace of the kernel's own (one per batch size, allocated on first use),
     and where the epilogue pools (Epilogue.pool) a variant whose kernel
     cannot take the pool writes the conv's output to a scratch buffer of the
-    same kind, pooled into y by a second launch: calls of one kernel must not
-    run concurrently on different streams."""
+    same kind, pooled into y by a second launch (a split variant's sum pools
+    as it stores instead): calls of one kernel must not run concurrently on
+    different streams."""
 
     backend = "sparseconv"
     launches_pointers = True  # launch_pointers serves it (not DenseConv2dKernel's cuDNN call)
@@ -468,18 +518,27 @@ class Conv2dKernel:
                 if key not in self._workspace:
                     self._workspace[key] = cupy.empty((layer.tiling.slices, count) + conv_shape, cupy.float32)
                 ws = self._workspace[key].data.ptr
-                total = count * math.prod(conv_shape)
-                reduce = PreparedLaunch(reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
-                                        reduce_values(ws, 0, 0, total, layer.tiling.slices, self.epilogue.bounds),
-                                        self.device_id)
+                if pool_after:  # the sum pools as it stores
+                    pooled = count * math.prod(self.output_shape(1))
+                    reduce = PreparedLaunch(reduce_kernel(self.device_id, "sc_reduce_slices_pool"),
+                                            reduce_grid(pooled), (256,), 0,
+                                            reduce_pool_values(ws, 0, count * s.out_channels, (s.out_h, s.out_w),
+                                                               layer.tiling.slices, self.epilogue.bounds),
+                                            self.device_id)
+                else:
+                    total = count * math.prod(conv_shape)
+                    reduce = PreparedLaunch(reduce_kernel(self.device_id), reduce_grid(total), (256,), 0,
+                                            reduce_values(ws, 0, 0, total, layer.tiling.slices, self.epilogue.bounds),
+                                            self.device_id)
             scratch, pool = 0, None
-            if pool_after:
+            if pool_after and not workspace:
                 key = (index, count)
                 if key not in self._scratch:
                     self._scratch[key] = cupy.empty((count,) + conv_shape, cupy.float32)
                 scratch = self._scratch[key].data.ptr
                 pool = prepared_max_pool(self.device_id, scratch, (count,) + conv_shape, FUSED_POOL)
-            steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws, pool, scratch))
+            steps.append(BatchStep(conv, reduce, first * in_bytes, first * out_bytes, ws, pool, scratch,
+                                   reduce_pools=pool_after and workspace))
         return tuple(steps)
 
     def variant(self, batch: int) -> Tuple[int, CompiledLayer, Any]:

@@ -23,7 +23,7 @@ def _reference(x, w, b, padding):
 
 # (channels, size): variants in-kernel at large batches, pooled after at small
 # ones (tilings.code_variants): a split over slices summed by a second kernel
-# (14x14), a direct kernel summed in clusters (28x28); and an odd side (15x15),
+# that pools as it stores (14x14), a direct kernel summed in clusters (28x28); and an odd side (15x15),
 # pooled after at every batch, floor mode.
 LAYERS = [(64, 14), (64, 28), (32, 15)]
 
@@ -42,6 +42,11 @@ def test_a_pooled_conv_matches_float64_through_every_variant(channels, size, ses
                             cache_dir=str(session_cache_dir), progress=False)
     in_kernel = [pools_in_kernel(kernel.shape, layer.tiling) for _, layer, _ in kernel._variants]
     assert in_kernel[-1] == (size % 2 == 0) and not in_kernel[0]
+    small = kernel._variants[0][1].tiling
+    summed_in_a_kernel = small.slices > 1 and small.slice_sum == "kernel"
+    assert summed_in_a_kernel == (size == 14), small.describe()
+    for step in kernel._plan(1):  # a split sum pools as it stores: no scratch, no pool launch
+        assert step.reduce_pools == summed_in_a_kernel and (step.pool is None) == summed_in_a_kernel
     for batch in (1, 3, 20):  # the small-batch variant, then the large one
         x = rng.standard_normal((batch, channels, size, size)).astype(np.float32)
         y = cupy.asnumpy(kernel(cupy.asarray(x)))
