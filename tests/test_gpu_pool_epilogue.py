@@ -55,6 +55,28 @@ def test_a_pooled_conv_matches_float64_through_every_variant(channels, size, ses
         assert relative_l2(y, ref) <= 1e-5, batch
 
 
+def test_the_dense_route_pools_after_cudnn(session_cache_dir):
+    """DenseConv2dKernel (what backend="auto" returns where cuDNN wins) on a
+    pooled layer: cuDNN's conv, the clamp, then the pool, against float64;
+    an odd side floors."""
+    import cupy
+
+    from sparseconv import compile_conv2d
+    from sparseconv.runtime import DenseConv2dKernel
+
+    rng = np.random.default_rng()
+    for size in (12, 13):
+        w = pruned_weight(rng, (16, 8, 3, 3), 0.8)
+        b = rng.standard_normal(16).astype(np.float32)
+        code = compile_conv2d(w, input_size=(size, size), bias=b, padding=1, activation="relu", pool=True,
+                              cache_dir=str(session_cache_dir), progress=False)
+        dense = DenseConv2dKernel(code.layer, b, w)
+        assert dense.output_shape(2) == code.output_shape(2) == (2, 16, size // 2, size // 2)
+        x = rng.standard_normal((2, 8, size, size)).astype(np.float32)
+        ref = _reference(x, w, b, 1)
+        assert relative_l2(cupy.asnumpy(dense(cupy.asarray(x))), ref) <= 1e-5, size
+
+
 class Vgg(nn.Module):
     """VGG's blocks, shrunk: Conv -> (BN) -> ReLU -> MaxPool2d(2, 2)."""
 
