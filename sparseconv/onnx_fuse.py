@@ -1,8 +1,9 @@
 """The ONNX front end's graph passes: fold BatchNormalization into the Conv
 before it, and fuse Conv -> (BatchNormalization) -> (Add of a same-shape
-residual) -> (Relu | Clip with constant bounds) chains into one Conv whose
-kernel applies the epilogue at the store (shapes.Epilogue). The ONNX twin of
-fx.py's passes; compile_model (runner.py) runs it at load time.
+residual) -> (Relu | Clip with constant bounds) -> (MaxPool 2x2 of stride 2,
+not after an Add) chains into one Conv whose kernel applies the epilogue at
+the store (shapes.Epilogue). The ONNX twin of fx.py's passes (the pool under
+fx._fused_pool's conditions); compile_model (runner.py) runs it at load time.
 
     fused = fuse_program(load_program(path))   # OnnxProgram -> OnnxProgram
 
@@ -12,8 +13,9 @@ program is left as it was: `sparseconv run --check` evaluates that one, the
 real model. In the fused program, a Conv that absorbed nodes
   * keeps op "Conv" and its name; its layer in program.convs is a FusedConv
     (BN folded into weight and bias, the epilogue, what was fused);
-  * writes the chain's last output, at the place of the chain's last node
-    in the node order (where the residual is known to exist);
+  * writes the chain's last output (a fused MaxPool's Y: the kernel writes
+    the pooled tensor), at the place of the chain's last node in the node
+    order (where the residual is known to exist);
   * reads the residual, if any, as its 4th input: (x, W, B, residual).
 Only values with one consumer that are not graph outputs are fused through,
 so no tensor a later node or the caller reads disappears.
@@ -41,7 +43,9 @@ Dim = Any  # an inferred dimension: int, a symbolic name (str), or None when unk
 class FusedConv(ConvLayer):
     """A Conv layer of a fused program: weight and bias with any BatchNorm
     folded in, the epilogue its kernel applies, and what was fused, in order
-    ("bn", "add", "relu", "relu6", "clip"). `note`: why the chain stopped
+    ("bn", "add", "relu", "relu6", "clip", "maxpool": fx's words). With a
+    pool the kernel writes the pooled tensor (Epilogue.output_hw), not
+    shape.out_h x out_w. `note`: why the chain stopped
     where a fusable node followed but could not fuse ("" otherwise)."""
 
     epilogue: Epilogue = Epilogue()
@@ -196,6 +200,31 @@ def _residual(add: _Node, value: str, conv_out: Tuple[Dim, ...], shapes: Mapping
     return other, ""
 
 
+def _pool_refusal(pool: _Node, value: str, conv_hw: Tuple[int, int], uses: _Uses) -> str:
+    """Why MaxPool `pool`, the sole reader of `value`, is not the epilogue's
+    pool; "" when it is. fx._fused_pool's conditions: a 2x2 window at stride
+    2, no pads or dilation, ceil_mode only where both sides of the conv's
+    output are even (then it pools as floor mode does); and no one reads its
+    Indices, which the kernel does not write."""
+    if pool.inputs[:1] != (value,):
+        return "not a pool of the conv's output"
+    if any(o and (uses.count[o] or o in uses.outputs) for o in pool.outputs[1:]):
+        return "its Indices output is read"
+    a = pool.attrs
+    window = [list(a.get(k, d)) for k, d in (("kernel_shape", ()), ("strides", (1, 1)), ("pads", (0, 0, 0, 0)),
+                                              ("dilations", (1, 1)))]
+    # auto_pad (refused by load_program for pools today) would pad implicitly
+    if window != [[2, 2], [2, 2], [0, 0, 0, 0], [1, 1]] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return (f"kernel_shape {window[0]}, strides {window[1]}, pads {window[2]}: not a 2x2 window at stride 2 "
+                "without pads")
+    if int(a.get("storage_order", 0)):
+        return "storage_order=1"
+    h, w = conv_hw
+    if int(a.get("ceil_mode", 0)) and (h % 2 or w % 2):
+        return f"ceil_mode=1 on a {h}x{w} input (an odd side: a partial window)"
+    return ""
+
+
 def _chain(conv: _Node, layer: ConvLayer, uses: _Uses, claimed: Set[int], constants: Mapping[str, np.ndarray],
            shapes: Mapping[str, Tuple[Dim, ...]]) -> Tuple[List[_Node], FusedConv, str]:
     """The nodes after `conv` that fuse into it, the fused layer, and the
@@ -219,7 +248,7 @@ def _chain(conv: _Node, layer: ConvLayer, uses: _Uses, claimed: Set[int], consta
             note = uses.why_not(cur, candidates[0].name)
         return None
 
-    nxt = next_node(("BatchNormalization", "Add", "Relu", "Clip"))
+    nxt = next_node(("BatchNormalization", "Add", "Relu", "Clip", "MaxPool"))
     if nxt is not None and nxt.op == "BatchNormalization":
         folded, why = _fold(layer, nxt, constants) if nxt.inputs[0] == cur else (None, "")
         if folded is None:
@@ -229,7 +258,7 @@ def _chain(conv: _Node, layer: ConvLayer, uses: _Uses, claimed: Set[int], consta
             (w, b), cur = folded, nxt.outputs[0]
             chain.append(nxt)
             fused.append("bn")
-            nxt = next_node(("Add", "Relu", "Clip"))
+            nxt = next_node(("Add", "Relu", "Clip", "MaxPool"))
     if nxt is not None and nxt.op == "Add":
         other, why = _residual(nxt, cur, conv_out, shapes, constants)
         if other is None:
@@ -239,16 +268,29 @@ def _chain(conv: _Node, layer: ConvLayer, uses: _Uses, claimed: Set[int], consta
             residual, cur = other, nxt.outputs[0]
             chain.append(nxt)
             fused.append("add")
-            nxt = next_node(("Relu", "Clip"))
+            nxt = next_node(("Relu", "Clip", "MaxPool"))
     if nxt is not None and nxt.op in ("Relu", "Clip") and nxt.inputs[0] == cur:
         ep, why = _activation(nxt, constants)
         if ep is None:
             note = note or f"not {nxt.name}: {why}"
+            nxt = None
         else:
-            act = ep
+            act, cur = ep, nxt.outputs[0]
             chain.append(nxt)
             fused.append(ep.activation)
-    epilogue = Epilogue(act.activation, act.clip, bool(residual))
+            nxt = next_node(("MaxPool",))
+    pool = False
+    if nxt is not None and nxt.op == "MaxPool":
+        # Not after an Add, as in fx: the residual is read at the conv's shape, the kernel writes the pool's.
+        why = "a pool after a residual add is not fused" if residual else \
+            _pool_refusal(nxt, cur, (layer.shape.out_h, layer.shape.out_w), uses)
+        if why:
+            note = note or f"not {nxt.name}: {why}"
+        else:
+            pool = True
+            chain.append(nxt)
+            fused.append("maxpool")
+    epilogue = Epilogue(act.activation, act.clip, bool(residual), pool)
     return chain, FusedConv(layer.name, w, b, layer.shape, epilogue, tuple(fused), note), residual
 
 
@@ -281,7 +323,7 @@ def fusion_totals(fused: Sequence[Tuple[str, ...]]) -> str:
     """One line from what fused into each conv (("bn", "relu"), ...): the
     BatchNorms folded, the adds, activations and (where any) max pools
     fused, into how many convs. The fx front end's plan (onnx_fx.py) says it
-    the same way; only it fuses max pools (fx._chain)."""
+    the same way."""
     count = Counter(part for parts in fused for part in parts)
     acts = sum(count[a] for a in ("relu", "relu6", "clip"))
     what = f"{count['add']} residual adds and {acts} activations"

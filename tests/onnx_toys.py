@@ -22,6 +22,10 @@ EXPECTED: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "bn_two_readers": {"c1": (), "c2": ("bn",)},
     "conv_is_output": {"c1": (), "c2": ("bn",)},
     "broadcast_add": {"c1": (), "c2": ()},
+    # 2x2 max pools of stride 2 (fx's rule): after a Relu, after a bare conv, after BN + Relu; not after an Add
+    "conv_relu_maxpool": {"c1": ("relu", "maxpool"), "c2": ("maxpool",)},
+    "conv_bn_relu_maxpool": {"c1": ("bn", "relu", "maxpool")},
+    "add_relu_maxpool": {"c1": ("relu",), "c2": ("add", "relu")},
 }
 NOTES = {
     ("bn_two_readers", "c1"): "not bn1: c1 has 2 readers",
@@ -30,6 +34,7 @@ NOTES = {
     ("conv_is_output", "c2"): "not relu2: n2 is a graph output",
     ("broadcast_add", "c1"): "it adds a constant",
     ("broadcast_add", "c2"): "has shape",
+    ("add_relu_maxpool", "c2"): "not pool2: a pool after a residual add is not fused",
 }
 
 
@@ -106,6 +111,25 @@ def _graph(name: str, rng: np.random.Generator) -> Tuple[list, dict, list]:
                  node("GlobalAveragePool", ["r1"], ["g1"], name="gap"),
                  conv("c2", "r1", "c2", 8, 8), node("Add", ["g1", "c2"], ["a2"], name="add2"),
                  node("Relu", ["a2"], ["out"], name="relu2")]
+        return nodes, inits, ["out"]
+    if name == "conv_relu_maxpool":   # 8x8 -> pooled 4x4 -> 1x1 conv (its kernel pools itself) -> pooled 2x2
+        nodes = [conv("c1", "x", "c1", 8, 4), node("Relu", ["c1"], ["r1"], name="relu1"),
+                 node("MaxPool", ["r1"], ["p1"], name="pool1", kernel_shape=[2, 2], strides=[2, 2]),
+                 conv("c2", "p1", "c2", 8, 8, r=1),
+                 node("MaxPool", ["c2"], ["out"], name="pool2", kernel_shape=[2, 2], strides=[2, 2])]
+        return nodes, inits, ["out"]
+    if name == "conv_bn_relu_maxpool":  # as torch.onnx.export writes nn.MaxPool2d(2, 2)
+        nodes = [conv("c1", "x", "c1", 8, 4),
+                 node("BatchNormalization", ["c1"] + _bn(rng, inits, "bn1", 8), ["n1"], name="bn1"),
+                 node("Relu", ["n1"], ["r1"], name="relu1"),
+                 node("MaxPool", ["r1"], ["out"], name="pool1", kernel_shape=[2, 2], strides=[2, 2],
+                      pads=[0, 0, 0, 0], dilations=[1, 1], ceil_mode=0)]
+        return nodes, inits, ["out"]
+    if name == "add_relu_maxpool":
+        nodes = [conv("c1", "x", "c1", 8, 4), node("Relu", ["c1"], ["r1"], name="relu1"),
+                 conv("c2", "r1", "c2", 8, 8), node("Add", ["c2", "r1"], ["a2"], name="add2"),
+                 node("Relu", ["a2"], ["r2"], name="relu2"),
+                 node("MaxPool", ["r2"], ["out"], name="pool2", kernel_shape=[2, 2], strides=[2, 2])]
         return nodes, inits, ["out"]
     raise ValueError(name)
 

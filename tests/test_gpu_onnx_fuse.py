@@ -1,8 +1,8 @@
 """GPU: compile_model with the ONNX fusion pass (onnx_fuse.py) on the
 ResNet-style toys: each fused conv one kernel with BN folded and its residual
-add and clamp in the epilogue; the outputs must match the float64 reference
-of the graph as written and onnxruntime, at several batch sizes, and the same
-model compiled with fuse=False."""
+add, clamp and 2x2 max pool in the epilogue; the outputs must match the
+float64 reference of the graph as written and onnxruntime, at several batch
+sizes, and the same model compiled with fuse=False."""
 import json
 
 import numpy as np
@@ -28,6 +28,7 @@ def test_compiled_fused_model_matches_the_unfused_float64_graph(tmp_path, sessio
     assert {n: layer.fused for n, layer in model.program.convs.items()} == EXPECTED[name]
     for conv, fused in EXPECTED[name].items():
         assert model.kernels[conv].epilogue.residual == ("add" in fused)
+        assert model.kernels[conv].epilogue.pool == ("maxpool" in fused)
         line = next(line for line in model.plan if line.startswith(f"{conv}: Conv"))
         assert (f", fused {'+'.join(fused)}" in line) == bool(fused) and line.endswith(", sparseconv")
     original = load_program(path)
@@ -37,6 +38,27 @@ def test_compiled_fused_model_matches_the_unfused_float64_graph(tmp_path, sessio
         for g, ref, ort in zip(got, run_reference(original, x), onnxruntime_all(path, x)):
             assert relative_l2(g, ref) <= 1e-5
             assert relative_l2(g, ort) <= 1e-5
+
+
+def test_fused_max_pools_write_the_pooled_tensor_on_fresh_inputs(tmp_path, session_cache_dir):
+    """Conv -> Relu -> MaxPool(2, 2) -> Conv -> MaxPool(2, 2): each conv one
+    kernel that writes the pooled tensor (no MaxPool node left), matching the
+    float64 reference of the graph as written on fresh random inputs."""
+    import cupy
+
+    from sparseconv.runner import compile_model, load_program, run_reference
+
+    path = toy("conv_relu_maxpool", tmp_path)
+    model = compile_model(path, cache_dir=str(session_cache_dir), route_batches=None)  # fusion, not routing
+    assert [n.op for n in model.program.nodes] == ["Conv", "Conv"]
+    assert all(k.epilogue.pool for k in model.kernels.values())
+    original = load_program(path)
+    rng = np.random.default_rng()
+    for batch in (1, 4, 33):
+        x = rng.standard_normal((batch, 4, 8, 8)).astype(np.float32)
+        (y,) = model.run(cupy.asarray(x))
+        assert y.shape == (batch, 8, 2, 2)  # 8x8 pooled to 4x4, then to 2x2
+        assert relative_l2(y.get(), run_reference(original, x)[0]) <= 1e-5
 
 
 def test_fuse_false_compiles_every_node_as_written(tmp_path, session_cache_dir):

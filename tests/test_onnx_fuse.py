@@ -51,6 +51,7 @@ def test_folding_keeps_every_zero_and_the_epilogue_says_what_was_fused(tmp_path,
         ep = layer.epilogue
         assert ep.residual == ("add" in layer.fused)
         assert ep.activation == next((a for a in layer.fused if a in ("relu", "relu6", "clip")), "none")
+        assert ep.pool == ("maxpool" in layer.fused)
 
 
 def test_bn_folding_formula_and_zeros():
@@ -136,15 +137,18 @@ def test_fusion_on_torch_exports_matches_onnxruntime(tmp_path, family):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("name", ["resnet_shortcut", "clip"])
+@pytest.mark.parametrize("name", ["resnet_shortcut", "clip", "conv_relu_maxpool"])
 def test_fused_kernels_in_the_ptx_interpreter_give_the_model_as_written(tmp_path, name):
     """The fused program run as the GPU runs it, on the CPU: each fused Conv
-    a specialised kernel with its epilogue (residual add, clamp at the
-    store), interpreted; the other nodes in float32 NumPy. It must match the
-    float64 reference of the unfused graph (what `--check` compares with)."""
+    a specialised kernel with its epilogue (residual add, clamp, 2x2 max pool
+    at the store), interpreted; the other nodes in float32 NumPy. It must
+    match the float64 reference of the unfused graph (what `--check`
+    compares with)."""
     from ptx_interpreter import run_kernel
     from sparseconv.build import build_conv2d
     from sparseconv.cache import ArtifactCache
+    from sparseconv.dense import max_pool_2x2
+    from sparseconv.tilings import pools_in_kernel
 
     path = toy(name, tmp_path)
     fused = fuse_program(load_program(path))
@@ -154,14 +158,16 @@ def test_fused_kernels_in_the_ptx_interpreter_give_the_model_as_written(tmp_path
         built = build_conv2d(layer.weight, layer.shape, cache=cache, name=layer.name, epilogue=layer.epilogue)
         assert built.tiling.slices == 1  # split variants add their slices outside the kernel
         s, n = layer.shape, inp.shape[0]
-        y = np.full((n, s.out_channels, s.out_h, s.out_w), np.nan, np.float32)
+        in_kernel = layer.epilogue.pool and pools_in_kernel(s, built.tiling)  # else runtime pools after it
+        hw = layer.epilogue.output_hw(s) if in_kernel else (s.out_h, s.out_w)
+        y = np.full((n, s.out_channels) + hw, np.nan, np.float32)
         bias = layer.bias if layer.bias is not None else np.zeros(s.out_channels, np.float32)
         res = 0 if residual is None else np.ascontiguousarray(residual, np.float32)
         run_kernel(cache.get_text("kernel", built.ptx_sha256, ".ptx"), built.entry, grid=built.grid(n),
                    block=(built.tiling.threads, 1, 1),
                    args=[np.ascontiguousarray(inp, np.float32), y, bias, res, n, built.chunks],
                    dynamic_shared_bytes=built.shared_bytes)
-        return y
+        return max_pool_2x2(y) if layer.epilogue.pool and not in_kernel else y
 
     x = toy_input(2)
     (y,) = execute(fused, x, np, conv, np.float32)
@@ -252,3 +258,87 @@ def test_clip_attributes_fuse_and_run_time_bounds_do_not(tmp_path, case):
         x = toy_input(2)[:, :, :6, :6].copy()
         (got,), (ref,) = run_reference(fused, x), run_reference(original, x)
         assert relative_l2(got, onnxruntime_all(path, x)[0]) <= 1e-5 and relative_l2(got, ref) <= 1e-6
+
+
+# MaxPool attributes -> whether the pool fuses (fx._fused_pool's rule) and the plan's note where not. The conv
+# (3x3, pads 1) keeps its input's size: 6x6, or 7x7 where the case says so.
+POOLS = {
+    "2x2_stride_2": (dict(kernel_shape=[2, 2], strides=[2, 2]), True, ""),
+    "zero_pads_and_defaults_written": (dict(kernel_shape=[2, 2], strides=[2, 2], pads=[0, 0, 0, 0], dilations=[1, 1],
+                                            ceil_mode=0, storage_order=0), True, ""),
+    "odd_sides_floor": (dict(kernel_shape=[2, 2], strides=[2, 2]), True, ""),           # floor drops the last row
+    "ceil_mode_even_sides": (dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1), True, ""),  # as floor mode
+    "ceil_mode_odd_sides": (dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1), False, "ceil_mode=1 on a 7x7"),
+    "pads": (dict(kernel_shape=[2, 2], strides=[2, 2], pads=[0, 0, 1, 1]), False, "pads [0, 0, 1, 1]"),
+    "stride_1": (dict(kernel_shape=[2, 2], strides=[1, 1]), False, "strides [1, 1]"),
+    "strides_absent": (dict(kernel_shape=[2, 2]), False, "strides [1, 1]"),            # ONNX's default is 1
+    "kernel_3": (dict(kernel_shape=[3, 3], strides=[2, 2]), False, "kernel_shape [3, 3]"),
+    "storage_order": (dict(kernel_shape=[2, 2], strides=[2, 2], storage_order=1), False, "storage_order=1"),
+    "indices_unused": (dict(kernel_shape=[2, 2], strides=[2, 2]), True, ""),
+    "indices_read": (dict(kernel_shape=[2, 2], strides=[2, 2]), False, "its Indices output is read"),
+    "two_readers": (dict(kernel_shape=[2, 2], strides=[2, 2]), False, "not pool: r has 2 readers"),
+}
+
+
+def _conv_relu_pool(tmp_path, case):
+    """x -> Conv c -> Relu r -> MaxPool (POOLS[case]) -> out, as an ONNX file."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from sparseconv.testing import pruned_weight
+
+    rng = np.random.default_rng(11)
+    side = 7 if case in ("odd_sides_floor", "ceil_mode_odd_sides") else 6
+    inits = {"w": pruned_weight(rng, (8, 4, 3, 3), 0.6), "b": rng.standard_normal(8).astype(np.float32)}
+    pool_out = ["out", "idx"] if case.startswith("indices") else ["out"]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="c", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("MaxPool", ["r"], pool_out, name="pool", **POOLS[case][0])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    if case == "indices_read":
+        outputs.append(helper.make_tensor_value_info("idx", TensorProto.INT64, None))
+    if case == "two_readers":
+        nodes.append(helper.make_node("ReduceMax", ["r"], ["m"], name="rmax", keepdims=0))
+        outputs.append(helper.make_tensor_value_info("m", TensorProto.FLOAT, None))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, side, side])
+    graph = helper.make_graph(nodes, case, [x], outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / f"{case}.onnx"
+    onnx.save(model, str(path))
+    return path, side
+
+
+@pytest.mark.parametrize("case", sorted(POOLS))
+def test_max_pool_fuses_under_fx_rule_only_and_computes_the_same(tmp_path, case):
+    """A qualifying MaxPool becomes the conv's epilogue pool: its node is gone
+    and the fused conv writes its output name, pooled; any other stays a node
+    of its own, with the reason in the plan. Either way the fused program's
+    float64 result is the graph's (onnxruntime and the unfused reference)."""
+    from sparseconv.onnx_fuse import fusion_lines
+
+    _, fuses, note = POOLS[case]
+    path, side = _conv_relu_pool(tmp_path, case)
+    original = load_program(path)
+    fused = fuse_program(original)
+    layer = fused.convs["c"]
+    assert layer.fused == (("relu", "maxpool") if fuses else ("relu",))
+    assert layer.epilogue.pool == fuses and layer.epilogue.activation == "relu"
+    assert (note in layer.note) if note else layer.note == ""
+    ops = [n.op for n in fused.nodes]
+    if fuses:
+        assert "MaxPool" not in ops and fused.nodes[0].op == "Conv" and fused.nodes[0].outputs == ("out",)
+        assert layer.epilogue.output_hw(layer.shape) == (side // 2, side // 2) == fused.shapes["out"][2:]
+        assert ", fused relu+maxpool, " in fused.plan()[0]
+        assert fusion_lines(fused.convs)[0].startswith(
+            "0 BatchNormalization folded, 0 residual adds, 1 activations and 1 max pools fused")
+    else:
+        assert ops.count("MaxPool") == 1 and ", fused relu (not pool: " in fused.plan()[0]
+    if case == "indices_read":
+        return  # the runner's MaxPool writes no Indices: there is nothing to evaluate
+    x = np.random.default_rng(5).standard_normal((3, 4, side, side)).astype(np.float32)
+    got, unfused, want = run_reference(fused, x), run_reference(original, x), onnxruntime_all(path, x)
+    for g, u, w in zip(got, unfused, want):
+        assert g.shape == u.shape == w.shape
+        assert relative_l2(g, u) <= 1e-12  # the same float64 sums: the epilogue's clamp and pool are exact
+        assert relative_l2(g, w) <= 1e-5
