@@ -87,7 +87,8 @@ def compile_conv2d(weight: Any, *, input_size: IntPair, bias: Any = None, stride
     adds a 2x2 max pool of stride 2 after the activation (VGG's Conv -> ReLU
     -> MaxPool2d(2, 2)): the kernel returns (N, K, Ho // 2, Wo // 2), and a
     pointwise-family kernel takes the pool among its threads, so the conv's
-    whole output is never written (other variants pool after the kernel).
+    whole output is never written (a split variant pools as its slices are
+    summed, other variants after the kernel).
 
     With the default tiling, a layer that gives too few blocks at small
     batches to fill the GPU also gets a variant with the input-channel

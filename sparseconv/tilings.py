@@ -994,8 +994,8 @@ def pools_in_kernel(shape: ConvShape, tiling: Tiling) -> bool:
     its own threads: pointwise, unsplit (a split's slices are summed after the
     kernel), its pixels walked by 2x2 windows, and whole warps (the four
     lanes of a window exchange their values by shuffles). Other variants of a
-    pooled layer write the conv's output to a scratch buffer and the runtime
-    pools it after (runtime.Conv2dKernel)."""
+    pooled layer are pooled by the runtime (runtime.Conv2dKernel): a split
+    one as its slices are summed, the rest from a scratch buffer after."""
     return (tiling.family == "pointwise" and tiling.slices == 1 and tiling.pixel_order == "quads"
             and tiling.threads % 32 == 0 and shape.out_h % 2 == 0 and shape.out_w % 2 == 0)
 
