@@ -37,7 +37,7 @@ from .dense import dense_conv2d
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch_raw
 from .ptx import ptx_version
 from .pool import FUSED_POOL, max_pool2d, prepared_max_pool
-from .shapes import MAX_PATCH_BYTES, ConvShape, Target
+from .shapes import MAX_PATCH_BYTES, ConvShape, Target, pooled_hw
 from .tilings import ANY_BATCH, pools_in_kernel
 
 
@@ -226,7 +226,7 @@ def reduce_pool_values(ws: int, y: int, planes: int, conv_hw: Tuple[int, int], s
     lo, hi = bounds
     conv_h, conv_w = conv_hw
     return (ctypes.c_void_p(ws), ctypes.c_void_p(y), ctypes.c_int64(planes * conv_h * conv_w), ctypes.c_int32(slices),
-            ctypes.c_int32(conv_h), ctypes.c_int32(conv_w), ctypes.c_int64(planes * (conv_h // 2) * (conv_w // 2)),
+            ctypes.c_int32(conv_h), ctypes.c_int32(conv_w), ctypes.c_int64(planes * math.prod(pooled_hw(*conv_hw))),
             ctypes.c_int32(lo is not None), ctypes.c_float(lo or 0.0), ctypes.c_int32(hi is not None),
             ctypes.c_float(hi or 0.0))
 
@@ -259,9 +259,7 @@ class CallContract:
 
     def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
         s = self.shape
-        if self.pool:
-            return (batch, s.out_channels, s.out_h // 2, s.out_w // 2)
-        return (batch, s.out_channels, s.out_h, s.out_w)
+        return (batch, s.out_channels) + (pooled_hw(s.out_h, s.out_w) if self.pool else (s.out_h, s.out_w))
 
     def arrays(self, x: Any, out: Any, residual: Any) -> Tuple[Any, Any, Any]:
         """(x, out, residual) as CuPy arrays, checked; out allocated when None."""

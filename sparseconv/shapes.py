@@ -243,6 +243,12 @@ class Tiling:
                 f"thread={self.thread_h}x{self.thread_w} ({self.threads} threads{blocks}{sl})")
 
 
+def pooled_hw(h: int, w: int) -> Tuple[int, int]:
+    """The output size of Epilogue.pool's 2x2 max pool of stride 2 on an h x w
+    conv output: torch's floor mode, an odd side drops its last row or column."""
+    return h // 2, w // 2
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """What a kernel does to each output at the store, after the bias: add a
@@ -298,9 +304,7 @@ class Epilogue:
 
     def output_hw(self, shape: ConvShape) -> Tuple[int, int]:
         """(height, width) of what the kernel writes: the conv's output, or the pool's."""
-        if self.pool:
-            return shape.out_h // 2, shape.out_w // 2
-        return shape.out_h, shape.out_w
+        return pooled_hw(shape.out_h, shape.out_w) if self.pool else (shape.out_h, shape.out_w)
 
 
 @dataclass(frozen=True)

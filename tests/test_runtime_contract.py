@@ -10,7 +10,12 @@ CONTRACT = CallContract("layer3.0.conv2", ConvShape(8, 4, 6, 6, 3, 3, padding=(1
 
 
 def test_output_shape():
+    from dataclasses import replace
+
     assert CONTRACT.output_shape(5) == (5, 4, 6, 6)
+    assert replace(CONTRACT, pool=True).output_shape(5) == (5, 4, 3, 3)  # Epilogue.pool's 2x2 max pool
+    odd = CallContract("conv", ConvShape(8, 4, 7, 9, 1, 1), residual=False, device_id=0, pool=True)
+    assert odd.output_shape(2) == (2, 4, 3, 4)  # floor mode
 
 
 def test_host_arrays_and_other_objects_are_refused():

@@ -193,6 +193,10 @@ def test_an_epilogue_pool_is_checked_described_and_rendered_only_where_the_kerne
     assert ep.describe() == "bias -> relu -> max pool 2x2"
     assert ep.output_hw(shape) == (5, 7) and Epilogue().output_hw(shape) == (10, 14)
     assert ep.output_hw(ConvShape(8, 8, 7, 9, 1, 1)) == (3, 4)  # floor mode, as nn.MaxPool2d(2, 2)
+    from sparseconv.pool import FUSED_POOL
+    from sparseconv.shapes import pooled_hw
+    for h, w in [(2, 2), (3, 2), (7, 9), (28, 28), (15, 224)]:  # the one size rule, and the pool kernel's own
+        assert pooled_hw(h, w) == FUSED_POOL.output_size(h, w) == (h // 2, w // 2)
     rows = Tiling(8, 4, 1, 64, 1, 1, family="pointwise")
     quads = pooled_tiling(shape, rows)
     assert quads == replace(rows, pixel_order="quads") and pools_in_kernel(shape, quads)
