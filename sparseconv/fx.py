@@ -243,9 +243,9 @@ class FusedConv2d(_KernelNode):
         return self._pool_after(y) if self.pool else y  # the pool without indices, as the other paths
 
     def _pool_after(self, y: torch.Tensor) -> torch.Tensor:
-        """The fused pool on y, where the path that made y did not take it
-        (the weight table, cuDNN): sparseconv.pool's kernel, on torch's
-        stream (capturable), no indices written."""
+        """The fused pool on y where cuDNN made y (the sparseconv kernels and
+        the weight table pool as they store): sparseconv.pool's kernel, on
+        torch's stream (capturable), no indices written."""
         y = y.contiguous()
         out = y.new_empty(y.shape[:2] + FUSED_POOL.output_size(y.shape[2], y.shape[3]))
         if out.numel():
@@ -288,10 +288,9 @@ class FusedConv2d(_KernelNode):
                                  f"{tuple(residual.shape)} on {residual.device}")
             residual = residual.contiguous()
         x = x.contiguous()
-        out = x.new_empty(out_shape)
-        pool_after = self.pool and not kernel.epilogue.pool  # the weight table is built without the pool
+        out = x.new_empty(out_shape)  # pooled where the layer pools: every kernel takes its epilogue's pool
         if not x.shape[0]:
-            return self._pool_after(out) if pool_after else out
+            return out
         # On torch's current stream: no sync, no copy, and so capturable in a CUDA graph.
         if kernel.launches_pointers:
             # Checked above: the pointers and stream handle alone, no CuPy views and no second
@@ -303,7 +302,7 @@ class FusedConv2d(_KernelNode):
             with cupy.cuda.Device(device), on_torch_stream(x.device, self.layer_name):
                 kwargs = {} if residual is None else {"residual": cupy_view(residual.detach())}
                 kernel(cupy_view(x.detach()), out=cupy_view(out), **kwargs)
-        return self._pool_after(out) if pool_after else out
+        return out
 
     def extra_repr(self) -> str:
         text = (f"{self.layer_name}: {tuple(self.weight.shape)}, stride={self.stride}, padding={self.padding}, "

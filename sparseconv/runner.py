@@ -41,11 +41,11 @@ from .gemv import (MAX_GEMV_BATCH, gemv_supported, gemv_takes, linear_gemv, line
 from .api import LINEAR_MIN_SPARSITY, MAX_LINEAR_WEIGHTS, compile_layers, linear_limits, linear_shape
 from .model import ConvLayer, ModelError, check_names, node_name, numpy_why, read_onnx
 from .onnx_fuse import RESIDUAL_INPUT, FusedConv, fuse_program, fusion_lines, value_shapes
-from .pool import FUSED_POOL, launch_max_pool, max_pool2d
+from .pool import launch_max_pool
 from .progress import StepLine
 from .routing import DENSE, SPARSE, TABLE, RouteChoice, check_route_batches, choose_route, timing_label
 from .runtime import DenseConv2dKernel
-from .table import MAX_TABLE_BATCH, TableConv2d, routable_table
+from .table import MAX_TABLE_BATCH, routable_table
 from .timing import cupy_graph, l2_flush, l2_scratch_floats, time_cold
 
 
@@ -563,36 +563,6 @@ def _end_capture_quietly(stream: Any) -> None:
         pass
 
 
-class PooledTable:
-    """The weight table of a conv whose epilogue pools: table.TableConv2d
-    does not pool, so one built without the pool writes the conv's output to
-    a buffer of its own, which sparseconv.pool's kernel pools into y (as
-    fx.FusedConv2d does for sparsify). The call of the runner's other paths:
-    kernel(x, out=None, residual=None) -> y, on the current stream."""
-
-    backend = TABLE
-
-    def __init__(self, table: TableConv2d) -> None:
-        if table.epilogue.pool:
-            raise ValueError(f"{table.name}: PooledTable takes a table built without the pool")
-        self.table = table
-        self.shape = table.shape
-        self.epilogue = replace(table.epilogue, pool=True)
-        self.device_id = table.device_id
-
-    def output_shape(self, batch: int) -> Tuple[int, int, int, int]:
-        return (batch, self.shape.out_channels) + self.epilogue.output_hw(self.shape)
-
-    def __call__(self, x: Any, out: Any = None, residual: Any = None) -> Any:
-        import cupy
-
-        y = self.table(x, residual=residual)  # the table's checks (a pooling epilogue takes no residual)
-        with cupy.cuda.Device(self.device_id):
-            out = cupy.empty(self.output_shape(y.shape[0]), cupy.float32) if out is None else out
-            max_pool2d(self.device_id, y, out, FUSED_POOL)  # checks out's shape
-        return out
-
-
 class SparseModel:
     """A pruned ONNX model on the GPU: each Conv a specialised kernel, the rest CuPy.
 
@@ -600,8 +570,7 @@ class SparseModel:
     only its input. routes: Conv name -> RouteChoice, where compile_model timed
     the kernel against cuDNN strict fp32 (and the weight table at small
     batches); `dense` holds the cuDNN path of the layers routed to it at some
-    batch size, `tables` the weight-table kernel (sparseconv.table; a
-    PooledTable where the epilogue pools) of those routed to it, and each
+    batch size, `tables` the weight-table kernel (sparseconv.table) of those routed to it, and each
     call picks by its batch.
 
     cuda_graph=True: the first call of each input shape runs the forward once
@@ -623,7 +592,7 @@ class SparseModel:
         self.kernels = kernels  # layer name -> Conv2dKernel
         self.routes = dict(routes or {})
         self.dense = dict(dense or {})  # layer name -> DenseConv2dKernel, where a route sends a batch to cuDNN
-        # layer name -> TableConv2d (PooledTable where it pools), where a route sends a batch to the table
+        # layer name -> TableConv2d, where a route sends a batch to the table
         self.tables = dict(tables or {})
         self.route_note = route_note
         self.front_end_note = ""  # why onnx_compile.compile_model(front_end="auto") took this front end
@@ -825,11 +794,7 @@ def route_kernels(program: OnnxProgram, kernels: Dict[str, Any], batches: Sequen
         line.step(name)
         layer = program.convs[name]
         cudnn = DenseConv2dKernel(k.layer, layer.bias, layer.weight)
-        # the table does not pool: built without the pool, its output pooled after (PooledTable)
-        on_table = routable_table(layer.weight, layer.bias, k.shape, replace(k.epilogue, pool=False), batches,
-                                  name) if table else None
-        if on_table is not None and k.epilogue.pool:
-            on_table = PooledTable(on_table)
+        on_table = routable_table(layer.weight, layer.bias, k.shape, k.epilogue, batches, name) if table else None
         notes: List[str] = []
 
         def arrays(b: int) -> Tuple[Any, Any, Any]:

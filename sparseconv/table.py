@@ -26,11 +26,13 @@ once (one address for all lanes) and applies it to J pixels a lane, each lane te
 the entry's tap against a bit mask of its pixels' taps inside the image. The warps' partial sums
 are added in warp order in shared memory: a fixed summation order, so
 results are the same run to run. Bias, residual and the clamp are applied
-at the store, as in the other families.
+at the store, as in the other families; where the epilogue pools, the block
+walks whole 2x2 windows and stores each one's maximum (no second launch).
 """
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch
 from .runtime import CallContract
-from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue
+from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue, pooled_hw
 from .weight_loads import weight_loads_cuda
 
 # An entry's first word (unsigned): the byte offset of its weight's input
@@ -187,6 +189,22 @@ def weight_table(weight: np.ndarray, shape: ConvShape) -> Tuple[np.ndarray, np.n
 _SOURCE = r"""
 // The constants above come from table_source: the layer's shape, the tiling
 // (J pixels a lane, WS warps a block) and the epilogue.
+//
+// Which output pixel index i of an image's walk stands for. Row-major; or,
+// where the epilogue pools (POOL: Epilogue.pool, a 2x2 max pool of stride
+// 2), the pooled output's windows in row-major order, four consecutive i a
+// window (its top-left, top-right, bottom-left, bottom-right pixel), so a
+// block holds whole windows. An odd side's last row or column is in no
+// window: torch's floor mode drops it, and it is never computed.
+#if POOL
+#define NPIX (4 * POOL_H * POOL_W)
+#define PIXEL_ROW(i) (((i) >> 2) / POOL_W * 2 + (((i) >> 1) & 1))
+#define PIXEL_COL(i) (((i) >> 2) % POOL_W * 2 + ((i) & 1))
+#else
+#define NPIX (OH * OW)
+#define PIXEL_ROW(i) ((i) / OW)
+#define PIXEL_COL(i) ((i) % OW)
+#endif
 extern "C" __global__ void __launch_bounds__(32 * WS)
 sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, const int* __restrict__ starts,
               const float* __restrict__ bias, const float* __restrict__ residual, float* __restrict__ out)
@@ -202,7 +220,7 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     for (int j = 0; j < J; ++j) {
         acc[j] = 0.0f;
         const int p = pix0 + lane + 32 * j;
-        const int oy = p / OW, ox = p % OW;
+        const int oy = PIXEL_ROW(p), ox = PIXEL_COL(p);
         const int y0 = oy * SH - PH, x0 = ox * SW - PW;
         field[j] = xn + 4LL * (y0 * W + x0);
         MASK_T m = 0;
@@ -211,7 +229,7 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
             const int iy = y0 + (t / KW) * DH, ix = x0 + (t % KW) * DW;
             if (iy >= 0 && iy < H && ix >= 0 && ix < W) m |= (MASK_T)1 << t;
         }
-        taps_in[j] = p < OH * OW ? m : 0;
+        taps_in[j] = p < NPIX ? m : 0;
     }
     // This warp's share of output channel k's entries, in one flat loop: the
     // entry loads do not wait on the taps before them.
@@ -256,14 +274,14 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
     __syncthreads();
     for (int q = threadIdx.x; q < 32 * J; q += 32 * WS) {
         const int p = pix0 + q;
-        if (p >= OH * OW) continue;
+        if (p >= NPIX) continue;
         float sum = part[0][q];  // the warps' shares in warp order: a fixed order
 #pragma unroll
         for (int u = 1; u < WS; ++u) sum += part[u][q];
         sum += bias_k;
-        const long long o = ((long long)n * K + k) * (OH * OW) + p;
 #if HAS_RESIDUAL
-        sum += residual[o];  // read here, not before the loop: read early, it cost 0.1-0.3 us a layer (run bk)
+        // read here, not before the loop: read early, it cost 0.1-0.3 us a layer (run bk). Never with POOL.
+        sum += residual[((long long)n * K + k) * (OH * OW) + p];
 #endif
 #ifdef LO
         sum = sum < LO ? LO : sum;  // comparisons keep NaN, as torch's clamp does
@@ -271,8 +289,28 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
 #ifdef HI
         sum = sum > HI ? HI : sum;
 #endif
-        out[o] = sum;
+#if POOL
+        part[0][q] = sum;  // q is this thread's alone: pooled below, once every window is whole
+#else
+        out[((long long)n * K + k) * (OH * OW) + p] = sum;
+#endif
     }
+#if POOL
+    // Each window's maximum, in sparseconv.pool's order (top-left first) and
+    // NaN rule (a NaN wins and stays, as in torch); pooled pixel = window.
+    __syncthreads();
+    for (int q = threadIdx.x; q < 8 * J; q += 32 * WS) {
+        const int window = pix0 / 4 + q;
+        if (window >= POOL_H * POOL_W) continue;
+        float m = part[0][4 * q];
+#pragma unroll
+        for (int t = 1; t < 4; ++t) {
+            const float v = part[0][4 * q + t];
+            if (v > m || v != v) m = v;
+        }
+        out[((long long)n * K + k) * (POOL_H * POOL_W) + window] = m;
+    }
+#endif
 }
 """
 
@@ -290,7 +328,8 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
                   OW=shape.out_w, KH=shape.kernel_h, KW=shape.kernel_w, SH=shape.stride[0], SW=shape.stride[1],
                   PH=shape.padding[0], PW=shape.padding[1], DH=shape.dilation[0], DW=shape.dilation[1],
                   J=tiling.pixels_per_lane, WS=tiling.warps, STAGE_ENTRIES=int(tiling.staged_entries),
-                  HAS_RESIDUAL=int(epilogue.residual),
+                  HAS_RESIDUAL=int(epilogue.residual), POOL=int(epilogue.pool),
+                  POOL_H=pooled_hw(shape.out_h, shape.out_w)[0], POOL_W=pooled_hw(shape.out_h, shape.out_w)[1],
                   TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS, UNPADDED=int(shape.padding == (0, 0)),
                   MASK_T="unsigned" if shape.kernel_h * shape.kernel_w <= 32 else "unsigned long long")
     lo, hi = epilogue.bounds
@@ -302,8 +341,11 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
             + _SOURCE)
 
 
-def table_grid(shape: ConvShape, tiling: TableTiling, batch: int) -> Tuple[int, int, int]:
-    return (-(-shape.out_h * shape.out_w // (32 * tiling.pixels_per_lane)), shape.out_channels, batch)
+def table_grid(shape: ConvShape, tiling: TableTiling, batch: int, pool: bool = False) -> Tuple[int, int, int]:
+    """(pixel blocks, output channels, images). pool: the epilogue pools, so
+    the kernel computes only the pixels of whole 2x2 windows (table_source)."""
+    pixels = 4 * math.prod(pooled_hw(shape.out_h, shape.out_w)) if pool else shape.out_h * shape.out_w
+    return (-(-pixels // (32 * tiling.pixels_per_lane)), shape.out_channels, batch)
 
 
 _functions: Dict[Tuple[int, str], Any] = {}  # (device, source) -> compiled function
@@ -314,7 +356,9 @@ class TableConv2d:
     of runtime.Conv2dKernel (runtime.CallContract: the same checks):
     kernel(x, out=None, stream=None, residual=None) -> y, asynchronous on
     `stream` (default: CuPy's current stream). `tiling` None: table_tiling's
-    rule at batch 1 for the weight's nonzeros."""
+    rule at batch 1 for the weight's nonzeros. An epilogue that pools
+    (Epilogue.pool) makes y the 2x2 max pool of the conv's output, as the
+    code families do."""
 
     backend = "table"
     launches_pointers = True
@@ -323,9 +367,6 @@ class TableConv2d:
                  epilogue: Epilogue = Epilogue(), tiling: Optional[TableTiling] = None, name: str = "conv") -> None:
         import cupy
 
-        if epilogue.pool:
-            raise ValueError(f"{name}: the weight table does not pool; build it with Epilogue(pool=False) and pool "
-                             "its output (fx.FusedConv2d does)")
         self.shape, self.epilogue, self.name = shape, epilogue, name
         try:
             entries, starts = weight_table(weight, shape)  # raises for a layer the family does not take
@@ -336,7 +377,7 @@ class TableConv2d:
         self._staged_bytes = self.tiling.staged_bytes(longest_channel)
         source = table_source(shape, self.tiling, epilogue)
         self.device_id = cupy.cuda.Device().id
-        self.contract = CallContract(name, shape, epilogue.residual, self.device_id)
+        self.contract = CallContract(name, shape, epilogue.residual, self.device_id, epilogue.pool)
         self._entries = cupy.asarray(entries if len(entries) else np.zeros((1, 2), np.int32))
         self._starts = cupy.asarray(starts)
         self._bias = cupy.asarray(np.zeros(shape.out_channels, np.float32) if bias is None
@@ -372,8 +413,11 @@ class TableConv2d:
         prepared = self._launches.get(batch)
         if prepared is None:
             null = ctypes.c_void_p
+            grid = table_grid(self.shape, self.tiling, batch, self.epilogue.pool)
+            if not grid[0]:  # pooled to nothing (a side of 1): no output to write
+                return
             prepared = self._launches[batch] = PreparedLaunch(
-                self._fn, table_grid(self.shape, self.tiling, batch), (32 * self.tiling.warps,), self._staged_bytes,
+                self._fn, grid, (32 * self.tiling.warps,), self._staged_bytes,
                 (null(), null(self._entries.data.ptr), null(self._starts.data.ptr), null(self._bias.data.ptr),
                  null(), null()), self.device_id)
         prepared(stream, x, None, None, None, residual, out)  # None: the table and bias stay

@@ -232,9 +232,7 @@ def route_by_batch(convs: Dict[str, Any], batches: Sequence[int], device: torch.
         if table and isinstance(m, FusedConv2d):
             import cupy
             with cupy.cuda.Device(device.index):
-                # the table kernel does not pool: FusedConv2d pools its output after
-                m.table = routable_table(_host(m.weight), _host(m.bias), s, replace(m.kernel.epilogue, pool=False),
-                                         sizes, name)
+                m.table = routable_table(_host(m.weight), _host(m.bias), s, m.kernel.epilogue, sizes, name)
         elif table and isinstance(m, FusedLinear) and min(sizes) <= MAX_GEMV_BATCH:
             import cupy
             with cupy.cuda.Device(device.index):  # the sparse gemv, timed beside the code at small batches

@@ -147,17 +147,14 @@ def test_cli_run_text_output_shows_the_plan(session_cache_dir):
 def test_convs_routed_to_the_weight_table_match_float64_eager_and_in_a_graph(session_cache_dir):
     """compile_model times the table at batch 1 (the plan shows it); every conv
     forced onto the table then gives the float64 answer, eagerly and replayed.
-    LeNet's convs fuse their 2x2 max pools, which the table does not take: it
-    is built without the pool and its output pooled after (PooledTable)."""
+    LeNet's convs fuse their 2x2 max pools: the table takes them too."""
     pytest.importorskip("onnx")
     pytest.importorskip("torch")
     import cupy as cp
 
-    from dataclasses import replace
-
     from sparseconv.runner import compile_model  # the runner's graphs and routes
     from sparseconv.routing import RouteChoice
-    from sparseconv.runner import PooledTable, run_reference
+    from sparseconv.runner import run_reference
     from sparseconv.tilings import ANY_BATCH
     from sparseconv.table import TableConv2d
 
@@ -167,8 +164,7 @@ def test_convs_routed_to_the_weight_table_match_float64_eager_and_in_a_graph(ses
         ep = model.kernels[name].epilogue
         assert ep.pool  # Conv -> Relu -> MaxPool(2, 2), fused
         if name not in model.tables:
-            model.tables[name] = PooledTable(TableConv2d(layer.weight, layer.bias, model.kernels[name].shape,
-                                                         replace(ep, pool=False), name=name))
+            model.tables[name] = TableConv2d(layer.weight, layer.bias, model.kernels[name].shape, ep, name=name)
         model.routes[name] = RouteChoice(((ANY_BATCH, "table"),), ((1, 2.0, 3.0),), table_us=((1, 1.0),))
         assert model.kernel(name, 7) is model.tables[name]
     rng = cp.random.default_rng()

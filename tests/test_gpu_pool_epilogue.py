@@ -120,11 +120,11 @@ def test_sparsify_fuses_vgg_pools_and_every_route_is_exact(session_cache_dir):
                     "features.5": ("bn", "relu", "maxpool"), "features.9": ("relu", "maxpool")}
     convs = [m for m in fast.modules() if isinstance(m, FusedConv2d)]
     assert sum(m.pool for m in convs) == 3 and all(m.kernel.epilogue.pool == m.pool for m in convs)
-    for m in convs:  # a weight table for each that the family takes, built without the pool
+    for m in convs:  # a weight table for each that the family takes, pooling where the layer does
         if m.table is None and table_supported(m.kernel.shape) is None:
             bias = None if m.bias is None else m.bias.cpu().numpy()
-            m.table = TableConv2d(m.weight.cpu().numpy(), bias, m.kernel.shape, Epilogue(m.activation, m.clip),
-                                  name=m.layer_name)
+            m.table = TableConv2d(m.weight.cpu().numpy(), bias, m.kernel.shape,
+                                  Epilogue(m.activation, m.clip, pool=m.pool), name=m.layer_name)
     with torch.no_grad():
         reference = copy.deepcopy(net).double()
         for batch in (1, 40):

@@ -22,6 +22,9 @@ LAYERS = {
     "dilated-relu6": (ConvShape(24, 40, 13, 11, 3, 3, padding=(2, 2), dilation=(2, 2)), Epilogue("relu6")),
     "5x5-stride2-clip": (ConvShape(16, 8, 17, 17, 5, 5, stride=(2, 2), padding=(2, 2)),
                          Epilogue("clip", clip=(-0.3, 0.4))),
+    # VGG-16's conv5_3 with its max pool fused (the table pools as it stores), and an odd side that pool drops
+    "conv5_3-relu-pool": (ConvShape(512, 512, 14, 14, 3, 3, padding=(1, 1)), Epilogue("relu", pool=True)),
+    "odd-7x9-pool": (ConvShape(64, 48, 7, 9, 3, 3, padding=(1, 1)), Epilogue(pool=True)),
 }
 
 
@@ -30,7 +33,11 @@ def _reference(x, w, bias, shape, epilogue, res):
     if res is not None:
         ref = ref + res
     lo, hi = epilogue.bounds
-    return np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
+    ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
+    if epilogue.pool:  # torch's 2x2 max pool of stride 2, floor mode: an odd side drops its last row or column
+        n, k, h, w = ref.shape
+        ref = ref[:, :, :h // 2 * 2, :w // 2 * 2].reshape(n, k, h // 2, 2, w // 2, 2).max(axis=(3, 5))
+    return ref
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -96,6 +103,10 @@ def test_table_conv_refuses_bad_input():
     with pytest.raises(TypeError, match="conv7: x is a NumPy"):
         k(np.zeros((1, 8, 6, 6), np.float32))
     assert k(cp.zeros((0, 8, 6, 6), cp.float32)).shape == (0, 4, 6, 6)
+    pooling = TableConv2d(np.ones(shape.weight_shape, np.float32), None, shape, Epilogue(pool=True), name="conv8")
+    with pytest.raises(ValueError, match="conv8: out must"):  # the pooled shape, not the conv's
+        pooling(x, out=cp.zeros((1, 4, 6, 6), cp.float32))
+    assert pooling(cp.zeros((0, 8, 6, 6), cp.float32)).shape == (0, 4, 3, 3)
 
 
 def test_table_conv_takes_torch_tensors_on_a_torch_stream():

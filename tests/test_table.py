@@ -4,12 +4,14 @@ it at run time, run in the PTX interpreter (CPU) against float64 for strides,
 padding, dilation, tails and every epilogue; the tiling rule; and routing's
 choice among the kernel, the table and cuDNN."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from sparseconv.compile import compile_to_ptx
 from sparseconv.routing import TABLE, choose_route
-from sparseconv.shapes import ConvShape, Epilogue, Target
+from sparseconv.shapes import ConvShape, Epilogue, Target, pooled_hw
 from sparseconv.tilings import ANY_BATCH
 from sparseconv.table import (FEW_BLOCKS, LONG_SHARE, MAX_TABLE_BATCH, MAX_TAPS, TAP_BITS, VERY_FEW_BLOCKS,
                               VERY_LONG_CHANNEL, TableTiling,
@@ -71,11 +73,12 @@ def run_table_kernel(shape, tiling, epilogue, x, w, bias, residual=None):
     entries, starts = weight_table(w, shape)
     if not len(entries):
         entries = np.zeros((1, 2), np.int32)
-    out = np.full((x.shape[0], shape.out_channels, shape.out_h, shape.out_w), 12345.0, np.float32)
+    out = np.full((x.shape[0], shape.out_channels) + epilogue.output_hw(shape), 12345.0, np.float32)
     ptx = compile_to_ptx(table_source(shape, tiling, epilogue), Target(), "the table kernel")
     # the staged entries' shared memory exactly as TableConv2d sizes it: the interpreter faults past it
     staged = tiling.staged_bytes(int(np.diff(starts).max()))
-    run_kernel(ptx, "sc_table_conv", grid=table_grid(shape, tiling, x.shape[0]), block=(32 * tiling.warps, 1, 1),
+    run_kernel(ptx, "sc_table_conv", grid=table_grid(shape, tiling, x.shape[0], epilogue.pool),
+               block=(32 * tiling.warps, 1, 1),
                args=[x, entries, starts, bias, residual if residual is not None else np.zeros(1, np.float32), out],
                dynamic_shared_bytes=staged)
     return out
@@ -127,6 +130,53 @@ def test_the_epilogue_is_applied_at_the_store(epilogue):
     lo, hi = -np.inf if lo is None else lo, np.inf if hi is None else hi
     ref = np.where(ref < lo, lo, np.where(ref > hi, hi, ref))  # NaN compares false: kept
     assert np.array_equal(np.isnan(out), np.isnan(ref)) and np.isnan(out).any()
+    finite = ~np.isnan(ref)
+    assert relative_l2(out[finite], ref[finite]) < 1e-6
+
+
+def pooled(v: np.ndarray) -> np.ndarray:
+    """torch's 2x2 max pool of stride 2 on (N, K, H, W), in sparseconv.pool's
+    order: floor (an odd side drops its last row or column), the window's
+    pixels in row order from -inf, a NaN wins and stays."""
+    h, w = v.shape[2] // 2 * 2, v.shape[3] // 2 * 2
+    out = np.full(v.shape[:2] + (h // 2, w // 2), -np.inf, np.float32)
+    for r in range(2):
+        for c in range(2):
+            tap = v[:, :, r:h:2, c:w:2]
+            out = np.where((tap > out) | np.isnan(tap), tap, out)
+    return out
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("shape,tiling,epilogue,batch", [
+    # odd sides: 7x7 pools to 3x3 (36 of its 49 pixels computed, in one block of 64)
+    (ConvShape(6, 5, 7, 7, 3, 3, padding=(1, 1)), TableTiling(2, 4), Epilogue("relu", pool=True), 2),
+    # 120 pixels in 4 blocks of 32 (window boundaries inside no block), entries staged
+    (ConvShape(3, 4, 12, 10, 3, 3, padding=(1, 1)), TableTiling(1, 2, staged_entries=True),
+     Epilogue("clip", clip=(-0.5, 0.75), pool=True), 1),
+    # a strided 1x1 onto an odd-by-even output (5x4: the last row dropped), no activation
+    (ConvShape(8, 3, 9, 8, 1, 1, stride=(2, 2)), TableTiling(2, 8), Epilogue(pool=True), 2),
+], ids=["3x3-odd-relu", "3x3-blocks-clip-staged", "1x1-stride2-odd-rows"])
+def test_a_pooling_epilogue_stores_each_windows_max(shape, tiling, epilogue, batch):
+    """The table with Epilogue.pool writes, bit for bit, the 2x2 max pool of
+    what it writes without it (the same sums in the same order: pooling only
+    reorders the pixels), and that is the float64 conv's, pooled."""
+    rng = np.random.default_rng(3)
+    w = pruned_weight(rng, shape.weight_shape, 0.7)
+    x = rng.standard_normal((batch, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    bias[1] = np.nan  # a NaN channel pools to NaN, as in torch
+    x[0, :, 2, 2] = np.nan  # NaN at a few pixels, some not first in their window: it wins the max there
+    plain = run_table_kernel(shape, tiling, replace(epilogue, pool=False), x, w, bias)
+    out = run_table_kernel(shape, tiling, epilogue, x, w, bias)
+    assert out.shape == (batch, shape.out_channels) + pooled_hw(shape.out_h, shape.out_w)
+    want = pooled(plain)
+    assert np.array_equal(np.isnan(out), np.isnan(want)) and np.isnan(out[:, 1]).all() and np.isnan(out[0, 0]).any()
+    assert np.array_equal(out[~np.isnan(want)], want[~np.isnan(want)])
+    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding)
+    lo, hi = epilogue.bounds
+    ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
+    ref = pooled(ref.astype(np.float32))
     finite = ~np.isnan(ref)
     assert relative_l2(out[finite], ref[finite]) < 1e-6
 
