@@ -1,7 +1,9 @@
 """The weight-table kernel (sparseconv.table) under compute-sanitizer, with
 its results checked against float64: a padded 3x3 with a residual and ReLU
 (ResNet-50 layer4's shape), a strided 1x1 (layer4.0.downsample) and a 7x7
-stride-2 stem (49 taps: the 64-bit tap mask), each at batch 1 and 3.
+stride-2 stem (49 taps: the 64-bit tap mask), and two convs whose epilogue
+pools (2x2 max, stride 2: even sides, and odd ones the pool drops a row and
+column of), each at batch 1 and 3.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python bench/table_sanitizer_check.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python bench/table_sanitizer_check.py
@@ -17,6 +19,8 @@ LAYERS = [
     (ConvShape(512, 512, 7, 7, 3, 3, padding=(1, 1)), Epilogue("relu", residual=True)),
     (ConvShape(1024, 2048, 14, 14, 1, 1, stride=(2, 2)), Epilogue()),
     (ConvShape(3, 8, 20, 20, 7, 7, stride=(2, 2), padding=(3, 3)), Epilogue("relu6")),
+    (ConvShape(64, 64, 14, 14, 3, 3, padding=(1, 1)), Epilogue("relu", pool=True)),
+    (ConvShape(16, 24, 7, 9, 3, 3, padding=(1, 1)), Epilogue(pool=True)),
 ]
 
 
@@ -34,6 +38,9 @@ def main() -> None:
             ref = conv2d_reference(x, w, b, shape.stride, shape.padding) + (0 if res is None else res)
             lo, hi = ep.bounds
             ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
+            if ep.pool:  # floor mode: an odd side's last row or column is dropped
+                h, w_ = ref.shape[2] // 2, ref.shape[3] // 2
+                ref = ref[:, :, :2 * h, :2 * w_].reshape(n, shape.out_channels, h, 2, w_, 2).max(axis=(3, 5))
             print(shape.describe(), n, k.tiling.describe(), f"rel L2 {relative_l2(y, ref):.1e}")
 
 
