@@ -11,6 +11,7 @@ column of), each at batch 1 and 3.
 import cupy as cp
 import numpy as np
 
+from sparseconv.dense import epilogue_reference
 from sparseconv.shapes import ConvShape, Epilogue
 from sparseconv.table import TableConv2d
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
@@ -35,12 +36,7 @@ def main() -> None:
             res = rng.standard_normal((n, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32) \
                 if ep.residual else None
             y = k(cp.asarray(x), **({} if res is None else {"residual": cp.asarray(res)})).get()
-            ref = conv2d_reference(x, w, b, shape.stride, shape.padding) + (0 if res is None else res)
-            lo, hi = ep.bounds
-            ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
-            if ep.pool:  # floor mode: an odd side's last row or column is dropped
-                h, w_ = ref.shape[2] // 2, ref.shape[3] // 2
-                ref = ref[:, :, :2 * h, :2 * w_].reshape(n, shape.out_channels, h, 2, w_, 2).max(axis=(3, 5))
+            ref = epilogue_reference(conv2d_reference(x, w, b, shape.stride, shape.padding), ep, res)
             print(shape.describe(), n, k.tiling.describe(), f"rel L2 {relative_l2(y, ref):.1e}")
 
 

@@ -570,8 +570,8 @@ class SparseModel:
     only its input. routes: Conv name -> RouteChoice, where compile_model timed
     the kernel against cuDNN strict fp32 (and the weight table at small
     batches); `dense` holds the cuDNN path of the layers routed to it at some
-    batch size, `tables` the weight-table kernel (sparseconv.table) of those routed to it, and each
-    call picks by its batch.
+    batch size, `tables` the weight-table kernel (sparseconv.table) of those
+    routed to it, and each call picks by its batch.
 
     cuda_graph=True: the first call of each input shape runs the forward once
     eagerly (modules loaded, split-variant workspaces and index tables in
@@ -592,8 +592,7 @@ class SparseModel:
         self.kernels = kernels  # layer name -> Conv2dKernel
         self.routes = dict(routes or {})
         self.dense = dict(dense or {})  # layer name -> DenseConv2dKernel, where a route sends a batch to cuDNN
-        # layer name -> TableConv2d, where a route sends a batch to the table
-        self.tables = dict(tables or {})
+        self.tables = dict(tables or {})  # layer name -> TableConv2d, where a route sends a batch to the table
         self.route_note = route_note
         self.front_end_note = ""  # why onnx_compile.compile_model(front_end="auto") took this front end
         self.cuda_graph = cuda_graph

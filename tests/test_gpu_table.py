@@ -6,6 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from sparseconv.dense import epilogue_reference
 from sparseconv.shapes import ConvShape, Epilogue
 from sparseconv.testing import conv2d_reference, pruned_weight, relative_l2
 
@@ -29,15 +30,7 @@ LAYERS = {
 
 
 def _reference(x, w, bias, shape, epilogue, res):
-    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation)
-    if res is not None:
-        ref = ref + res
-    lo, hi = epilogue.bounds
-    ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
-    if epilogue.pool:  # torch's 2x2 max pool of stride 2, floor mode: an odd side drops its last row or column
-        n, k, h, w = ref.shape
-        ref = ref[:, :, :h // 2 * 2, :w // 2 * 2].reshape(n, k, h // 2, 2, w // 2, 2).max(axis=(3, 5))
-    return ref
+    return epilogue_reference(conv2d_reference(x, w, bias, shape.stride, shape.padding, shape.dilation), epilogue, res)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

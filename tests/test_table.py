@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from sparseconv.compile import compile_to_ptx
+from sparseconv.dense import epilogue_reference, max_pool_2x2
 from sparseconv.routing import TABLE, choose_route
 from sparseconv.shapes import ConvShape, Epilogue, Target, pooled_hw
 from sparseconv.tilings import ANY_BATCH
@@ -134,19 +135,6 @@ def test_the_epilogue_is_applied_at_the_store(epilogue):
     assert relative_l2(out[finite], ref[finite]) < 1e-6
 
 
-def pooled(v: np.ndarray) -> np.ndarray:
-    """torch's 2x2 max pool of stride 2 on (N, K, H, W), in sparseconv.pool's
-    order: floor (an odd side drops its last row or column), the window's
-    pixels in row order from -inf, a NaN wins and stays."""
-    h, w = v.shape[2] // 2 * 2, v.shape[3] // 2 * 2
-    out = np.full(v.shape[:2] + (h // 2, w // 2), -np.inf, np.float32)
-    for r in range(2):
-        for c in range(2):
-            tap = v[:, :, r:h:2, c:w:2]
-            out = np.where((tap > out) | np.isnan(tap), tap, out)
-    return out
-
-
 @pytest.mark.nvcc
 @pytest.mark.parametrize("shape,tiling,epilogue,batch", [
     # odd sides: 7x7 pools to 3x3 (36 of its 49 pixels computed, in one block of 64)
@@ -170,13 +158,10 @@ def test_a_pooling_epilogue_stores_each_windows_max(shape, tiling, epilogue, bat
     plain = run_table_kernel(shape, tiling, replace(epilogue, pool=False), x, w, bias)
     out = run_table_kernel(shape, tiling, epilogue, x, w, bias)
     assert out.shape == (batch, shape.out_channels) + pooled_hw(shape.out_h, shape.out_w)
-    want = pooled(plain)
+    want = max_pool_2x2(plain)  # NaN propagates, as in the kernel and torch
     assert np.array_equal(np.isnan(out), np.isnan(want)) and np.isnan(out[:, 1]).all() and np.isnan(out[0, 0]).any()
     assert np.array_equal(out[~np.isnan(want)], want[~np.isnan(want)])
-    ref = conv2d_reference(x, w, bias, shape.stride, shape.padding)
-    lo, hi = epilogue.bounds
-    ref = np.clip(ref, -np.inf if lo is None else lo, np.inf if hi is None else hi)
-    ref = pooled(ref.astype(np.float32))
+    ref = epilogue_reference(conv2d_reference(x, w, bias, shape.stride, shape.padding), epilogue)
     finite = ~np.isnan(ref)
     assert relative_l2(out[finite], ref[finite]) < 1e-6
 
