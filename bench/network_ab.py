@@ -29,7 +29,8 @@ Rules (each was measured this way before it landed):
                     family
   large-image-blocks  VGG-16's 112x112 3x3 convs at batch 1 in 800-thread
                     blocks of 16 channels (tilings.large_image_blocks), not the
-                    default's 256-thread blocks of 64
+                    default's blocks (256 threads x 64 channels on conv2_1,
+                    512 x 32 on conv2_2)
   gemv              dense nn.Linear layers of 1,000+ features at batch <= 8
                     through sparseconv.gemv (gemv.MIN_GEMV_FEATURES), not
                     cuBLAS's F.linear

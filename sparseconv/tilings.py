@@ -223,6 +223,20 @@ MAX_POINTWISE_TAPS = 9
 # channels than this were not measured. (conv1_2 at -O3 took 882 or 2,050 us
 # by its weights: see POINTWISE_O1_MAX_CHANNELS.)
 LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
+# Input channels from which such a layer takes 32 output channels x 512
+# threads and one input channel a chunk instead: 16 warps walk each block's
+# code where 64 channels (254 registers) left room for 8, so each fetched
+# instruction serves twice the pixels, for half the FMAs a loaded input.
+# H200, bench/split_probe.py --cold --batch 64 --epilogue relu --weights zoo
+# (session 55, two rounds), us: VGG-16 conv2_2 (128, 112x112) 1,539 ->
+# 1,248, conv3_1 (128 -> 256, 56x56) 927 -> 755, conv3_2 (256, 56x56)
+# 1,590 -> 1,175. With 64 input channels it did not gain: conv2_1 795 ->
+# 791, conv1_2 865 -> 1,389, ResNet-50 layer1.1.conv2 59 -> 116. Two input
+# channels a chunk: 1-6% slower than one; 48 or 40 channels x 512, or
+# 640 threads: slower than 32 x 512 on all three. With the rule below, VGG-16
+# at batch 64 in alternating trees (bench/tree_ab.py, session 55, run zr):
+# 13,543 / 13,560 -> 11,938 / 11,939 us a forward.
+LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS = 128
 # Outputs per image at or below which a deep conv's small-batch variant is
 # split on the pointwise family too; between this and SMALL_OUTPUT it is split
 # on the direct family. Measured cold at batch 1 (bench/split_probe.py --cold,
@@ -239,6 +253,14 @@ SMALL_BATCH_POINTWISE_OUTPUT = 14 * 14
 # 194 -> 135; hot, 256 threads had looked as fast or faster.
 MANY_THREADS_MIN_OUTPUT = 14 * 14
 MANY_THREADS_MIN_CHANNELS = 256
+# Input channels from which an unstrided deep conv with more outputs than
+# MANY_THREADS_MIN_OUTPUT (up to SMALL_OUTPUT) takes 32 output channels x 640
+# threads, two input channels a chunk, rather than 64 x 512: more warps on
+# each block's code, as above. Session 55 (H200, split_probe --cold --batch
+# 64, two rounds): VGG-16 conv4_2 (512, 28x28) 1,705 -> 1,528 us; with 256
+# input channels it lost (conv4_1 740 -> 840, ResNet-50 layer3.1.conv2 at
+# 14x14 117 -> 141), and so did VGG-16 conv5_1 (512, 14x14: 359 -> 444).
+MANY_THREADS_28_MIN_CHANNELS = 512
 
 
 def default_direct_tiling(shape: ConvShape) -> Tiling:
@@ -384,7 +406,9 @@ def default_tiling(shape: ConvShape) -> Tiling:
     layers (WIDENING_MIN_CHANNELS), while on every 256+-channel or strided
     layer it lost by 1.2-1.5x. Larger outputs with
     LARGE_OUTPUT_POINTWISE_MIN_CHANNELS+ input channels: the pointwise family,
-    64 x 256 threads (see there; 1.3-2.6x faster than the direct family).
+    64 x 256 threads (see there; 1.3-2.6x faster than the direct family), or
+    32 x 512 from LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS. Unstrided 28x28-class
+    outputs with MANY_THREADS_28_MIN_CHANNELS+ channels: 32 x 640.
     Other convs: the direct family (default_direct_tiling).
 
     Direct family: 32 output channels per block (16 or 8 when R*S is large), one output per
@@ -409,6 +433,8 @@ def default_tiling(shape: ConvShape) -> Tiling:
     deep = shape.c_per_group * shape.kernel_h * shape.kernel_w >= SHALLOW_MACS
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
         if pixels > SMALL_OUTPUT:
+            if shape.c_per_group >= LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS:
+                return replace(pointwise_tiling(shape, 32, 1, 512), c_block=1)
             if shape.c_per_group >= LARGE_OUTPUT_POINTWISE_MIN_CHANNELS:
                 # One k-block of <= 64 channels: at -O3 ptxas may keep it at
                 # ~110 registers by moving each load next to its first FMA
@@ -417,6 +443,9 @@ def default_tiling(shape: ConvShape) -> Tiling:
             return default_direct_tiling(shape)
         if pixels < MANY_THREADS_MIN_OUTPUT:  # 7x7: 512 threads, half the channels a block to fill a wave
             return pointwise_tiling(shape, 32, 1, 512)
+        wide = shape.c_per_group >= MANY_THREADS_28_MIN_CHANNELS
+        if shape.stride == (1, 1) and wide and pixels > MANY_THREADS_MIN_OUTPUT:
+            return replace(pointwise_tiling(shape, 32, 1, 640), c_block=2)
         if shape.stride != (1, 1) or shape.c_per_group >= MANY_THREADS_MIN_CHANNELS:
             return pointwise_tiling(shape, 64, 1, 512)
         return pointwise_tiling(shape, 32, 1, 128, min_blocks=4)

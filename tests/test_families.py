@@ -218,16 +218,19 @@ def test_shallow_grouped_convs_get_the_pointwise_family():
 def test_deep_convs_with_small_outputs_get_the_pointwise_family():
     """Deep 3x3 convs with outputs up to 28x28 take the pointwise family at
     large batches: 512 threads where strided or 256+ channels (32 output
-    channels a block at 7x7, to fill a wave), else 128 threads x 32 channels
-    at 4 blocks per SM (measured cold, tilings.default_tiling); shallow layers
-    and large kernels stay direct."""
+    channels a block at 7x7, to fill a wave; 640 threads x 32 channels, two
+    input channels a chunk, above 14x14 from 512 channels, unstrided), else
+    128 threads x 32 channels at 4 blocks per SM (measured cold,
+    tilings.default_tiling); shallow layers and large kernels stay direct."""
     expected = {ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1)): (32, 512, 8),     # layer4.1.conv2: 7x7
                ConvShape(512, 512, 14, 14, 3, 3, (2, 2), (1, 1)): (32, 512, 8),   # layer4.0.conv2: 14 -> 7
                ConvShape(256, 256, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # layer3.1.conv2
                ConvShape(256, 256, 28, 28, 3, 3, (2, 2), (1, 1)): (64, 512, 4),   # layer3.0.conv2: strided
                ConvShape(512, 512, 14, 14, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # VGG-16 conv5_x
                ConvShape(128, 128, 28, 28, 3, 3, (1, 1), (1, 1)): (32, 128, 8),   # layer2.1.conv2
-               ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 512, 4)}   # VGG-16 conv4_2
+               ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (32, 640, 2),   # VGG-16 conv4_2
+               ConvShape(256, 512, 28, 28, 3, 3, (1, 1), (1, 1)): (64, 512, 4),   # VGG-16 conv4_1
+               ConvShape(512, 512, 28, 28, 3, 3, (2, 2), (1, 1)): (64, 512, 4)}   # strided: 14x14 out
     for shape, (k_block, threads, c_block) in expected.items():
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block) == ("pointwise", k_block, threads, c_block)
@@ -252,21 +255,30 @@ def test_deep_convs_with_small_outputs_get_the_pointwise_family():
         assert default_tiling(shape).family == "direct"
 
 
-def test_deep_convs_with_larger_outputs_get_64_channels_x_256_threads():
+def test_deep_convs_with_larger_outputs_take_the_pointwise_family():
     """From LARGE_OUTPUT_POINTWISE_MIN_CHANNELS input channels, 3x3 convs
-    above 28x28 take the pointwise family too (measured cold at batch 64);
-    their small-batch split stays on the direct family below 256 input
-    channels, and takes whole_image_split from there."""
-    for shape in (ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)),      # ResNet-50 layer1.x.conv2
-                  ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1)),    # VGG-16 conv1_2
-                  ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1))):   # VGG-16 conv3_x
+    above 28x28 take the pointwise family too (measured cold at batch 64):
+    64 output channels x 256 threads, and from
+    LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS 32 x 512 threads, one input
+    channel a chunk. Their small-batch variant is whole_image_split's (256+
+    input channels) or large_image_blocks' (112x112 images of 64-128
+    channels) where one applies, else the direct family's split."""
+    from sparseconv.tilings import wave_fitted_tiling
+    for shape, (k_block, threads, c_block) in {
+            ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)): (64, 256, 4),      # ResNet-50 layer1.x.conv2
+            ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1)): (64, 256, 4),    # VGG-16 conv1_2
+            ConvShape(64, 128, 112, 112, 3, 3, (1, 1), (1, 1)): (64, 256, 4),   # VGG-16 conv2_1
+            ConvShape(128, 128, 112, 112, 3, 3, (1, 1), (1, 1)): (32, 512, 1),  # VGG-16 conv2_2
+            ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1)): (32, 512, 1)}.items():  # VGG-16 conv3_x
         t = default_tiling(shape)
-        assert (t.family, t.k_block, t.threads, t.min_blocks) == ("pointwise", 64, 256, 1)
+        assert (t.family, t.k_block, t.threads, t.c_block, t.min_blocks) == ("pointwise", k_block, threads, c_block, 1)
+        assert wave_fitted_tiling(shape, t) == t  # the large-batch build is the default itself
         split = small_batch_tiling(shape, t)
-        if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS:
-            assert split == whole_image_split(shape) and split.family == "pointwise"
+        whole = whole_image_split(shape) or tilings.large_image_blocks(shape)
+        if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS or shape.out_h == 112:
+            assert split == whole and split.family == "pointwise"
         else:
-            assert split is None or split.family == "direct"
+            assert whole is None and (split is None or split.family == "direct")
 
 
 def test_pointwise_tilings_prefer_a_c_block_that_divides_the_channels():

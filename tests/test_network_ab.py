@@ -41,8 +41,8 @@ def test_the_landed_rules_and_each_switched_off():
     # default split is no longer direct since session 19: its direct tiling's).
     # Session 18: conv4_2 (28x28) splits as one pointwise block over the image;
     # session 19: conv3_1 and conv3_2 (56x56) as four, and conv2_2 (112x112)
-    # runs blocks of 16 output channels, not 64. (conv3_1's direct split is
-    # read from its direct tiling.)
+    # runs blocks of 16 output channels, not its default's 32 (64 until
+    # session 55). (conv3_1's direct split is read from its direct tiling.)
     pw, dd = "pointwise/pointwise", "direct/direct"
     assert variants() == (16, "cluster", "direct", "cluster", 4, pw, 16)
     assert variants("two-wave-splits") == (8, "cluster", "direct", "cluster", 4, pw, 16)
@@ -51,7 +51,7 @@ def test_the_landed_rules_and_each_switched_off():
     assert variants("cluster-sum") == (16, "kernel", "direct", "kernel", 4, pw, 16)
     assert variants("wide-direct-chunks") == (16, "cluster", "direct", "cluster", 2, pw, 16)
     assert variants("whole-image-split") == (16, "cluster", "direct", "cluster", 4, dd, 16)
-    assert variants("large-image-blocks") == (16, "cluster", "direct", "cluster", 4, pw, 64)
+    assert variants("large-image-blocks") == (16, "cluster", "direct", "cluster", 4, pw, 32)
 
 
 SWITCHES = """
