@@ -228,10 +228,10 @@ LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
 # code where 64 channels (254 registers) left room for 8, so each fetched
 # instruction serves twice the pixels, for half the FMAs a loaded input.
 # H200, bench/split_probe.py --cold --batch 64 --epilogue relu --weights zoo
-# (session 55, two rounds), us: VGG-16 conv2_2 (128, 112x112) 1,539 ->
-# 1,248, conv3_1 (128 -> 256, 56x56) 927 -> 755, conv3_2 (256, 56x56)
-# 1,590 -> 1,175. With 64 input channels it did not gain: conv2_1 795 ->
-# 791, conv1_2 865 -> 1,389, ResNet-50 layer1.1.conv2 59 -> 116. Two input
+# (session 55, mean of two rounds), us: VGG-16 conv2_2 (128, 112x112) 1,541
+# -> 1,248, conv3_1 (128 -> 256, 56x56) 927 -> 755, conv3_2 (256, 56x56)
+# 1,589 -> 1,175. With 64 input channels it did not gain: conv2_1 795 ->
+# 791, conv1_2 867 -> 1,389, ResNet-50 layer1.1.conv2 59 -> 116. Two input
 # channels a chunk: 1-6% slower than one; 48 or 40 channels x 512, or
 # 640 threads: slower than 32 x 512 on all three. With the rule below, VGG-16
 # at batch 64 in alternating trees (bench/tree_ab.py, session 55, run zr):
@@ -257,9 +257,10 @@ MANY_THREADS_MIN_CHANNELS = 256
 # MANY_THREADS_MIN_OUTPUT (up to SMALL_OUTPUT) takes 32 output channels x 640
 # threads, two input channels a chunk, rather than 64 x 512: more warps on
 # each block's code, as above. Session 55 (H200, split_probe --cold --batch
-# 64, two rounds): VGG-16 conv4_2 (512, 28x28) 1,705 -> 1,528 us; with 256
-# input channels it lost (conv4_1 740 -> 840, ResNet-50 layer3.1.conv2 at
-# 14x14 117 -> 141), and so did VGG-16 conv5_1 (512, 14x14: 359 -> 444).
+# 64, mean of two rounds): VGG-16 conv4_2 (512, 28x28) 1,701 -> 1,512 us;
+# with 256 input channels it lost (conv4_1 741 -> 842, ResNet-50
+# layer3.1.conv2 at 14x14 117 -> 141), and so did VGG-16 conv5_1 (512,
+# 14x14: 359 -> 444).
 MANY_THREADS_28_MIN_CHANNELS = 512
 
 
