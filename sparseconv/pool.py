@@ -20,6 +20,16 @@ from .shapes import pair
 
 IntPair = Tuple[int, int]
 
+# The max pool's order and NaN rule, written once for every kernel that pools
+# (this module's, the split sum's sc_reduce_slices_pool, the pointwise
+# template's window shuffles, the weight table's store): the maximum so far m
+# takes v if v is larger or v is NaN, so a NaN wins and stays, as in torch;
+# each kernel starts from -inf (or the window's first value) and walks the
+# window top-left first.
+POOL_MAX_CUDA = r"""
+static __device__ __forceinline__ float sc_pool_max(float m, float v) { return v > m || v != v ? v : m; }
+"""
+
 _MAX_POOL_SOURCE = r"""
 // The window and the sizes are compiled in (pool_source). With the window
 // loops unrolled a thread issues all of its window's loads before the first
@@ -48,7 +58,7 @@ __device__ __forceinline__ float window_max(const float* __restrict__ src, int p
     for (int r = 0; r < KERNEL_H; ++r)
 #pragma unroll
         for (int s = 0; s < KERNEL_W; ++s)
-            if (v[r][s] > m || v[r][s] != v[r][s]) m = v[r][s];  // a NaN wins and stays, as in torch
+            m = sc_pool_max(m, v[r][s]);
     return m;
 }
 
@@ -93,7 +103,7 @@ def pool_source(kernel: IntPair, stride: IntPair, pad_top_left: IntPair, dilatio
     (input and output height, width), all compiled in."""
     values = dict(KERNEL=kernel, STRIDE=stride, PAD=pad_top_left, DIL=dilation, IN=in_size, OUT=out_size)
     defines = "".join(f"#define {name}_H {int(v[0])}\n#define {name}_W {int(v[1])}\n" for name, v in values.items())
-    return defines + GRID_DEPENDENCY_CUDA + _MAX_POOL_SOURCE
+    return defines + GRID_DEPENDENCY_CUDA + POOL_MAX_CUDA + _MAX_POOL_SOURCE
 
 
 @dataclass(frozen=True)

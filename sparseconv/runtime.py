@@ -36,7 +36,7 @@ from .build import CompiledLayer
 from .dense import dense_conv2d
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch, launch_raw
 from .ptx import ptx_version
-from .pool import FUSED_POOL, max_pool2d, prepared_max_pool
+from .pool import FUSED_POOL, POOL_MAX_CUDA, max_pool2d, prepared_max_pool
 from .shapes import MAX_PATCH_BYTES, ConvShape, Target, pooled_hw
 from .tilings import ANY_BATCH, pools_in_kernel
 
@@ -141,7 +141,7 @@ def as_cupy_stream(stream: Any, device_id: int, what: str) -> Any:
 # compiled once per process by NVRTC (no weights in it). Compiling the slice
 # count in (every slice's load before the first add) was measured no faster:
 # the kernel is ~1.4 us of fixed cost (docs/PERFORMANCE.md, session 11).
-_REDUCE_SOURCE = GRID_DEPENDENCY_CUDA + r"""
+_REDUCE_SOURCE = GRID_DEPENDENCY_CUDA + POOL_MAX_CUDA + r"""
 extern "C" __global__ void sc_reduce_slices(const float* __restrict__ ws, float* __restrict__ y,
         const float* __restrict__ residual, long long total, int slices, int has_residual,
         int has_lo, float lo, int has_hi, float hi)
@@ -185,7 +185,7 @@ extern "C" __global__ void sc_reduce_slices_pool(const float* __restrict__ ws, f
                 for (int s = 1; s < slices; ++s) v += ws[s * total + j];
                 if (has_lo) v = v < lo ? lo : v;
                 if (has_hi) v = v > hi ? hi : v;
-                if (v > m || v != v) m = v;
+                m = sc_pool_max(m, v);
             }
         y[i] = m;
     }

@@ -39,6 +39,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch
+from .pool import POOL_MAX_CUDA
 from .runtime import CallContract
 from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue, pooled_hw
 from .weight_loads import weight_loads_cuda
@@ -296,8 +297,8 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
 #endif
     }
 #if POOL
-    // Each window's maximum, in sparseconv.pool's order (top-left first) and
-    // NaN rule (a NaN wins and stays, as in torch); pooled pixel = window.
+    // Each window's maximum, top-left first, by sparseconv.pool's rule
+    // (sc_pool_max: a NaN wins and stays, as in torch); pooled pixel = window.
     __syncthreads();
     for (int q = threadIdx.x; q < 8 * J; q += 32 * WS) {
         const int window = pix0 / 4 + q;
@@ -306,7 +307,7 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
 #pragma unroll
         for (int t = 1; t < 4; ++t) {
             const float v = part[0][4 * q + t];
-            if (v > m || v != v) m = v;
+            m = sc_pool_max(m, v);
         }
         out[((long long)n * K + k) * (POOL_H * POOL_W) + window] = m;
     }
@@ -338,7 +339,7 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
     if hi is not None:
         consts["HI"] = _float_literal(hi)
     return ("".join(f"#define {k} {v}\n" for k, v in consts.items()) + GRID_DEPENDENCY_CUDA + weight_loads_cuda()
-            + _SOURCE)
+            + (POOL_MAX_CUDA if epilogue.pool else "") + _SOURCE)
 
 
 def table_grid(shape: ConvShape, tiling: TableTiling, batch: int, pool: bool = False) -> Tuple[int, int, int]:

@@ -321,6 +321,34 @@ def test_kernel_families_compute_the_convolution(name):
     assert stats.fmas_deleted > 0 or not (w == 0).any()
 
 
+def test_a_pooling_pointwise_kernel_keeps_a_nan_wherever_it_falls_in_its_window():
+    """The pointwise template's window shuffles take sparseconv.pool's NaN
+    rule (sc_pool_max): a NaN output anywhere in a 2x2 window is that
+    window's max, as in torch. A 1x1 conv: a NaN input pixel makes the
+    outputs at that pixel NaN wherever a kept weight reads it (a deleted
+    zero weight never does), at a window's bottom-right, top-right and
+    bottom-left pixel here; the rest match float64."""
+    rendered, tptx = family_template("pw_quads_pool_2px")
+    shape = rendered.shape
+    rng = np.random.default_rng()
+    w = pruned_weight(rng, shape.weight_shape, 0.6)
+    w[0, 0] = 1.0  # output channel 0 reads channel 0: it has NaNs
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    for n, h, col in [(0, 1, 1), (0, 2, 5), (1, 5, 8)]:
+        x[n, 0, h, col] = np.nan
+    ptx, _ = specialise(tptx, rendered, w)
+    y = run_ptx(ptx, rendered, x, bias)
+    reads = (w[:, :, 0, 0] != 0).astype(np.float64)
+    hit = np.einsum("kc,nchw->nkhw", reads, np.isnan(x).astype(np.float64)) > 0
+    conv = conv2d_reference(np.nan_to_num(x, nan=0.0), w, bias, shape.stride, shape.padding, shape.dilation,
+                            shape.groups)
+    ref = apply_epilogue(np.where(hit, np.nan, conv), rendered.epilogue, None)
+    assert np.isnan(ref[:, 0]).sum() == 3  # one window each, NaN at no window's top-left pixel
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+    assert relative_l2(np.nan_to_num(y), np.nan_to_num(ref)) <= 1e-5
+
+
 def check_family_layer(name, n):
     """Run FAMILY_LAYERS[name] on n fresh random images in the interpreter and
     check every output against float64; returns (weight, specialiser stats)."""
