@@ -233,9 +233,10 @@ LARGE_OUTPUT_POINTWISE_MIN_CHANNELS = 64
 # 1,589 -> 1,175. With 64 input channels it did not gain: conv2_1 795 ->
 # 791, conv1_2 867 -> 1,389, ResNet-50 layer1.1.conv2 59 -> 116. Two input
 # channels a chunk: 1-6% slower than one; 48 or 40 channels x 512, or
-# 640 threads: slower than 32 x 512 on all three. With the rule below, VGG-16
-# at batch 64 in alternating trees (bench/tree_ab.py, session 55, run zr):
-# 13,543 / 13,560 -> 11,938 / 11,939 us a forward.
+# 640 threads: slower than 32 x 512 on all three. With this rule and
+# MANY_THREADS_28_MIN_CHANNELS's, VGG-16 at batch 64 in alternating trees
+# (bench/tree_ab.py, session 55, run zr): 13,543 / 13,560 -> 11,938 / 11,939
+# us a forward.
 LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS = 128
 # Outputs per image at or below which a deep conv's small-batch variant is
 # split on the pointwise family too; between this and SMALL_OUTPUT it is split
@@ -408,8 +409,9 @@ def default_tiling(shape: ConvShape) -> Tiling:
     layer it lost by 1.2-1.5x. Larger outputs with
     LARGE_OUTPUT_POINTWISE_MIN_CHANNELS+ input channels: the pointwise family,
     64 x 256 threads (see there; 1.3-2.6x faster than the direct family), or
-    32 x 512 from LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS. Unstrided 28x28-class
-    outputs with MANY_THREADS_28_MIN_CHANNELS+ channels: 32 x 640.
+    32 x 512 from LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS. Unstrided convs
+    with more than 14x14 and up to 28x28 outputs and
+    MANY_THREADS_28_MIN_CHANNELS+ input channels: 32 x 640.
     Other convs: the direct family (default_direct_tiling).
 
     Direct family: 32 output channels per block (16 or 8 when R*S is large), one output per
