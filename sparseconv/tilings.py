@@ -1002,8 +1002,12 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
         return out[:limit]
     out.append(default_tiling(shape))
     # 512 threads: more warps share each fetched instruction, which is what a
-    # deep layer's cold code needs (docs/PERFORMANCE.md, session 11)
+    # deep layer's cold code needs (docs/PERFORMANCE.md, session 11); and 32
+    # channels x 512, one input channel a chunk, which fits 16 warps an SM in
+    # the registers (session 55: 16-26% faster on VGG-16's 56x56 and 112x112
+    # convs of 128+ channels, slower on most others)
     wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256, 512)] \
+        + [replace(pointwise_tiling(shape, 32, 1, 512), c_block=1)] \
         if shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS else []
     for k_block, thread_w, threads, min_blocks in _CANDIDATES:
         k_block = _k_block(shape, k_block)

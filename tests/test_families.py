@@ -525,10 +525,15 @@ def test_pointwise_layers_of_at_most_64_channels_take_ptxas_O1():
 def test_tuning_candidates_of_a_deep_3x3_include_512_pointwise_threads():
     """Cold, a deep layer's code costs less the more warps share it (session
     11: layer4.x.conv2 at batch 64 273 us cold with 256 threads, 158 with 512),
-    so `tiling="auto"` gets a 512-thread pointwise candidate to time."""
+    so `tiling="auto"` gets a 512-thread pointwise candidate to time, and one
+    of 32 channels and one input channel a chunk (session 55)."""
     deep = ConvShape(512, 512, 7, 7, 3, 3, (1, 1), (1, 1))
     threads = {t.threads for t in candidate_tilings(deep) if t.family == "pointwise"}
     assert {128, 256, 512} <= threads
+    for shape in (deep, ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1))):
+        cands = candidate_tilings(shape)
+        assert any((t.family, t.k_block, t.threads, t.c_block) == ("pointwise", 32, 512, 1) for t in cands)
+        assert len(cands) == len(set(cands)) <= 9
 
 
 def test_slices_summed_in_a_cluster_where_measured_faster():
