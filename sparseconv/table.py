@@ -305,10 +305,7 @@ sc_table_conv(const float* __restrict__ x, const int2* __restrict__ entries, con
         if (window >= POOL_H * POOL_W) continue;
         float m = part[0][4 * q];
 #pragma unroll
-        for (int t = 1; t < 4; ++t) {
-            const float v = part[0][4 * q + t];
-            m = sc_pool_max(m, v);
-        }
+        for (int t = 1; t < 4; ++t) m = sc_pool_max(m, part[0][4 * q + t]);
         out[((long long)n * K + k) * (POOL_H * POOL_W) + window] = m;
     }
 #endif
@@ -325,12 +322,13 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
     why = table_supported(shape)
     if why:
         raise ValueError(f"table: {shape.describe()}: {why}")
+    pool_h, pool_w = pooled_hw(shape.out_h, shape.out_w)
     consts = dict(C=shape.in_channels, H=shape.in_h, W=shape.in_w, K=shape.out_channels, OH=shape.out_h,
                   OW=shape.out_w, KH=shape.kernel_h, KW=shape.kernel_w, SH=shape.stride[0], SW=shape.stride[1],
                   PH=shape.padding[0], PW=shape.padding[1], DH=shape.dilation[0], DW=shape.dilation[1],
                   J=tiling.pixels_per_lane, WS=tiling.warps, STAGE_ENTRIES=int(tiling.staged_entries),
                   HAS_RESIDUAL=int(epilogue.residual), POOL=int(epilogue.pool),
-                  POOL_H=pooled_hw(shape.out_h, shape.out_w)[0], POOL_W=pooled_hw(shape.out_h, shape.out_w)[1],
+                  POOL_H=pool_h, POOL_W=pool_w,
                   TAP_BITS=TAP_BITS, MAX_TAPS=MAX_TAPS, UNPADDED=int(shape.padding == (0, 0)),
                   MASK_T="unsigned" if shape.kernel_h * shape.kernel_w <= 32 else "unsigned long long")
     lo, hi = epilogue.bounds

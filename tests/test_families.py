@@ -263,7 +263,6 @@ def test_deep_convs_with_larger_outputs_take_the_pointwise_family():
     channel a chunk. Their small-batch variant is whole_image_split's (256+
     input channels) or large_image_blocks' (112x112 images of 64-128
     channels) where one applies, else the direct family's split."""
-    from sparseconv.tilings import wave_fitted_tiling
     for shape, (k_block, threads, c_block) in {
             ConvShape(64, 64, 56, 56, 3, 3, (1, 1), (1, 1)): (64, 256, 4),      # ResNet-50 layer1.x.conv2
             ConvShape(64, 64, 224, 224, 3, 3, (1, 1), (1, 1)): (64, 256, 4),    # VGG-16 conv1_2
@@ -272,7 +271,7 @@ def test_deep_convs_with_larger_outputs_take_the_pointwise_family():
             ConvShape(256, 256, 56, 56, 3, 3, (1, 1), (1, 1)): (32, 512, 1)}.items():  # VGG-16 conv3_x
         t = default_tiling(shape)
         assert (t.family, t.k_block, t.threads, t.c_block, t.min_blocks) == ("pointwise", k_block, threads, c_block, 1)
-        assert wave_fitted_tiling(shape, t) == t  # the large-batch build is the default itself
+        assert tilings.wave_fitted_tiling(shape, t) == t  # the large-batch build is the default itself
         split = small_batch_tiling(shape, t)
         whole = whole_image_split(shape) or tilings.large_image_blocks(shape)
         if shape.c_per_group >= WHOLE_IMAGE_SPLIT_MIN_CHANNELS or shape.out_h == 112:
