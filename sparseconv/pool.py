@@ -30,6 +30,24 @@ POOL_MAX_CUDA = r"""
 static __device__ __forceinline__ float sc_pool_max(float m, float v) { return v > m || v != v ? v : m; }
 """
 
+# The walk by 2x2 windows, written once for the two kernels that take it (the
+# pointwise template's pixel_order "quads", shapes.PIXEL_ORDERS, and the
+# weight table where it pools): index i of an image's walk stands for the
+# output pixel at (sc_quad_row, sc_quad_col), four consecutive i a window
+# (top-left, top-right, bottom-left, bottom-right), the windows row-major,
+# windows_w of them a row. A block of a multiple of 4 pixels then holds whole
+# windows, and a window's four values lie in adjacent lanes for the pool.
+QUAD_WALK_CUDA = r"""
+static __device__ __forceinline__ int sc_quad_row(int i, int windows_w)
+{
+    return (i >> 2) / windows_w * 2 + ((i >> 1) & 1);
+}
+static __device__ __forceinline__ int sc_quad_col(int i, int windows_w)
+{
+    return (i >> 2) % windows_w * 2 + (i & 1);
+}
+"""
+
 _MAX_POOL_SOURCE = r"""
 // The window and the sizes are compiled in (pool_source). With the window
 // loops unrolled a thread issues all of its window's loads before the first

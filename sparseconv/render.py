@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 import jinja2
 
 from .launch import GRID_DEPENDENCY_CUDA
-from .pool import POOL_MAX_CUDA
+from .pool import POOL_MAX_CUDA, QUAD_WALK_CUDA
 from .tilings import pools_in_kernel
 from .shapes import (ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks, padded_channels,
                      patch_size, residual_after_loop, stage_steps, tap_predicates)
@@ -137,6 +137,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
                            POOL=int(epilogue.pool))
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA, pool_max=POOL_MAX_CUDA,
+        quad_walk=QUAD_WALK_CUDA,
         shape_comment=shape.describe(), tiling_comment=tiling.describe(),
         epilogue_comment=epilogue.describe(), epilogue_code=epilogue_code(epilogue),
         HAS_RESIDUAL=int(epilogue.residual), SLICES=tiling.slices,

@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .launch import GRID_DEPENDENCY_CUDA, PreparedLaunch
-from .pool import POOL_MAX_CUDA
+from .pool import POOL_MAX_CUDA, QUAD_WALK_CUDA
 from .runtime import CallContract
 from .shapes import MAX_PATCH_BYTES, ConvShape, Epilogue, pooled_hw
 from .weight_loads import weight_loads_cuda
@@ -193,14 +193,13 @@ _SOURCE = r"""
 //
 // Which output pixel index i of an image's walk stands for. Row-major; or,
 // where the epilogue pools (POOL: Epilogue.pool, a 2x2 max pool of stride
-// 2), the pooled output's windows in row-major order, four consecutive i a
-// window (its top-left, top-right, bottom-left, bottom-right pixel), so a
-// block holds whole windows. An odd side's last row or column is in no
+// 2), the pooled output's windows (sc_quad_row / sc_quad_col,
+// pool.QUAD_WALK_CUDA), so a block holds whole windows. An odd side's last row or column is in no
 // window: torch's floor mode drops it, and it is never computed.
 #if POOL
 #define NPIX (4 * POOL_H * POOL_W)
-#define PIXEL_ROW(i) (((i) >> 2) / POOL_W * 2 + (((i) >> 1) & 1))
-#define PIXEL_COL(i) (((i) >> 2) % POOL_W * 2 + ((i) & 1))
+#define PIXEL_ROW(i) sc_quad_row((i), POOL_W)
+#define PIXEL_COL(i) sc_quad_col((i), POOL_W)
 #else
 #define NPIX (OH * OW)
 #define PIXEL_ROW(i) ((i) / OW)
@@ -337,7 +336,7 @@ def table_source(shape: ConvShape, tiling: TableTiling, epilogue: Epilogue = Epi
     if hi is not None:
         consts["HI"] = _float_literal(hi)
     return ("".join(f"#define {k} {v}\n" for k, v in consts.items()) + GRID_DEPENDENCY_CUDA + weight_loads_cuda()
-            + (POOL_MAX_CUDA if epilogue.pool else "") + _SOURCE)
+            + (POOL_MAX_CUDA + QUAD_WALK_CUDA if epilogue.pool else "") + _SOURCE)
 
 
 def table_grid(shape: ConvShape, tiling: TableTiling, batch: int, pool: bool = False) -> Tuple[int, int, int]:

@@ -151,9 +151,9 @@ def test_a_one_pixel_pointwise_body_compiles_to_the_ptx_of_its_loop_form(slices)
 @pytest.mark.parametrize("out_h, out_w", [(2, 2), (6, 8), (14, 14)])
 def test_quad_order_walks_the_output_by_2x2_windows(out_h, out_w):
     """Tiling.pixel_order "quads": the template's SC_PIXEL, evaluated as
-    rendered, maps the image's walk onto every pixel once, four consecutive
-    indices a 2x2 window (what a max pool among four threads would need);
-    "rows" leaves the walk row-major."""
+    rendered (with pool.QUAD_WALK_CUDA's helpers), maps the image's walk
+    onto every pixel once, four consecutive indices a 2x2 window (what a max
+    pool among four threads would need); "rows" leaves the walk row-major."""
     import re
 
     shape = ConvShape(4, 4, out_h, out_w, 1, 1)
@@ -166,7 +166,12 @@ def test_quad_order_walks_the_output_by_2x2_windows(out_h, out_w):
                              r"#define SC_PIXEL\(i\) (.*?)\n#endif", source, re.S)
         expr = branches.group(1 if quads == "1" else 2).replace("\\\n", " ")
         expr = expr.replace("OUT_W", str(out_w)).replace("/", "//")
-        walk = [eval(expr, {"i": i}) for i in range(out_h * out_w)]
+        # the walk's helpers (pool.QUAD_WALK_CUDA) as rendered, where the quads order takes them
+        helpers = {name: eval(f"lambda i, windows_w: {body.replace('/', '//')}")
+                   for name, body in re.findall(r"int (sc_quad_\w+)\(int i, int windows_w\)\s*\{\s*return (.*?);",
+                                                source)}
+        assert sorted(helpers) == (["sc_quad_col", "sc_quad_row"] if quads == "1" else [])
+        walk = [eval(expr, {"i": i, **helpers}) for i in range(out_h * out_w)]
         assert sorted(walk) == list(range(out_h * out_w))
         if order == "rows":
             assert walk == list(range(out_h * out_w))
