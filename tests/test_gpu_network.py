@@ -31,6 +31,10 @@ def test_tiny_network_bench_runs_every_variant(session_cache_dir, tmp_path):
     # routing may send a conv to the weight table at batch 1 ("mixed"); the fusion is in plan_layers
     assert sum(report.plan.values()) == 2 and set(report.plan) <= {"bn+relu", "bn+add+relu", "mixed"}
     assert sorted(d["fused"] for d in report.plan_layers) == ["bn+add+relu", "bn+relu"]
+    # each conv routed at the batch sizes timed, not sparsify's default 1 and 64
+    for d in report.plan_layers:
+        assert "batch 1: sparseconv" in d["reason"] and "batch 4: sparseconv" in d["reason"], d["reason"]
+        assert "batch 64" not in d["reason"], d["reason"]
     got = {(t.variant, t.batch): t for t in report.timings}
     assert set(got) == {(v, b) for v in VARIANTS for b in (1, 4)}
     for b in (1, 4):
