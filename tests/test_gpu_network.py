@@ -53,8 +53,9 @@ def test_built_in_vgg16_small_input(session_cache_dir):
 
     report = run_network_bench("vgg16", (2,), input_size=(32, 32), variants=["sparseconv", "eager fp32"],
                                repeat=3, cache_dir=str(session_cache_dir), progress=False)
-    # 13 convs with their ReLU fused; routed by measurement, some may run through cuDNN ("dense"/"mixed")
-    assert sum(report.plan.values()) == 13 and set(report.plan) <= {"relu", "dense", "mixed"}
+    # 13 convs with their ReLU fused; routed by measurement at batch 2 only, so a conv may run through cuDNN
+    # or, on these small images, the weight table at every batch size ("dense", "table"); a pool may be fused
+    assert sum(report.plan.values()) == 13 and set(report.plan) <= {"relu", "relu+maxpool", "dense", "table"}
     (ours,) = [t for t in report.timings if t.variant == "sparseconv"]
     assert ours.rel_l2 <= 1e-5 and ours.top1 == 1.0
 
