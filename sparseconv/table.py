@@ -194,8 +194,9 @@ _SOURCE = r"""
 // Which output pixel index i of an image's walk stands for. Row-major; or,
 // where the epilogue pools (POOL: Epilogue.pool, a 2x2 max pool of stride
 // 2), the pooled output's windows (sc_quad_row / sc_quad_col,
-// pool.QUAD_WALK_CUDA), so a block holds whole windows. An odd side's last row or column is in no
-// window: torch's floor mode drops it, and it is never computed.
+// pool.QUAD_WALK_CUDA), so a block holds whole windows. An odd side's last
+// row or column is in no window: torch's floor mode drops it, and it is
+// never computed.
 #if POOL
 #define NPIX (4 * POOL_H * POOL_W)
 #define PIXEL_ROW(i) sc_quad_row((i), POOL_W)
