@@ -388,6 +388,12 @@ def shallow_grouped_tiling(shape: ConvShape) -> Tiling:
     return pointwise_tiling(shape, min(shape.k_per_group, GROUPED_MAX_K_BLOCK), 1, threads)
 
 
+def many_warps_tiling(shape: ConvShape) -> Tiling:
+    """32 output channels x 512 threads, one input channel a chunk: 16 warps
+    on each block's code at 128 registers (LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS)."""
+    return replace(pointwise_tiling(shape, 32, 1, 512), c_block=1)
+
+
 def default_tiling(shape: ConvShape) -> Tiling:
     """1x1 convs: the pointwise family (default_pointwise_tiling). Deep convs
     with small outputs (at most SMALL_OUTPUT pixels, at most MAX_POINTWISE_TAPS
@@ -437,7 +443,7 @@ def default_tiling(shape: ConvShape) -> Tiling:
     if deep and shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS:
         if pixels > SMALL_OUTPUT:
             if shape.c_per_group >= LARGE_OUTPUT_MANY_THREADS_MIN_CHANNELS:
-                return replace(pointwise_tiling(shape, 32, 1, 512), c_block=1)
+                return many_warps_tiling(shape)
             if shape.c_per_group >= LARGE_OUTPUT_POINTWISE_MIN_CHANNELS:
                 # One k-block of <= 64 channels: at -O3 ptxas may keep it at
                 # ~110 registers by moving each load next to its first FMA
@@ -1002,12 +1008,10 @@ def candidate_tilings(shape: ConvShape, limit: int = 9) -> list:
         return out[:limit]
     out.append(default_tiling(shape))
     # 512 threads: more warps share each fetched instruction, which is what a
-    # deep layer's cold code needs (docs/PERFORMANCE.md, session 11); and 32
-    # channels x 512, one input channel a chunk, which fits 16 warps an SM in
-    # the registers (session 55: 16-26% faster on VGG-16's 56x56 and 112x112
-    # convs of 128+ channels, slower on most others)
-    wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256, 512)] \
-        + [replace(pointwise_tiling(shape, 32, 1, 512), c_block=1)] \
+    # deep layer's cold code needs (docs/PERFORMANCE.md, session 11); and
+    # many_warps_tiling (session 55: 16-26% faster on VGG-16's 56x56 and
+    # 112x112 convs of 128+ channels, slower on most others)
+    wide = [pointwise_tiling(shape, 64, 1, threads) for threads in (128, 256, 512)] + [many_warps_tiling(shape)] \
         if shape.kernel_h * shape.kernel_w <= MAX_POINTWISE_TAPS else []
     for k_block, thread_w, threads, min_blocks in _CANDIDATES:
         k_block = _k_block(shape, k_block)
