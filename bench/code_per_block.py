@@ -4,18 +4,26 @@ network (docs/PERFORMANCE.md, session 8: about 6 us + 0.42 us per KB at
 batch 1, at most one block per SM). Also each build's PTX lines and ptxas
 seconds: what a tiling rule costs the build (session 49: `git apply` the rule
 between two runs, --workers 1 so that each layer's ptxas has the cores).
+--registers also runs `ptxas -v` on each specialised PTX, with the tiling's
+-O level and register cap, for the most registers a function uses and its
+spill bytes (session 56: are a layer's warps held back by registers?).
 
     python bench/code_per_block.py resnet50 --layers layer3.1.conv1,layer3.1.conv3 [--batch 1] [--json out.json]
     python bench/code_per_block.py vgg16 --layers conv5_1 --batch 64 --workers 1 --json cost.json
+    python bench/code_per_block.py vgg16 --layers conv3_2,conv4_2 --batch 64 --registers
 
 Without --layers, every layer of the model. Builds go to a cache of their own
 (--cache-dir, default a fresh temporary directory)."""
 import argparse
 import json
+import re
+import subprocess
 import tempfile
 
 import numpy as np
 
+from sparseconv.cache import ArtifactCache
+from sparseconv.compile import find_tool
 from sparseconv.parallel import LayerJob, build_many
 from sparseconv.shapes import Target, launch_grid, n_kblocks
 from sparseconv.tilings import variant_for_batch
@@ -32,6 +40,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="build processes (default: one a core)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--registers", action="store_true", help="also ptxas -v: registers and spill bytes")
     args = ap.parse_args()
     if args.batch < 1:
         ap.error(f"--batch must be at least 1, not {args.batch}")
@@ -50,26 +59,49 @@ def main() -> None:
         shape = layers[name]
         jobs.append(LayerJob(name, pruned_weight(rng, shape.weight_shape, args.sparsity), shape,
                              variant_for_batch(shape, args.batch)))
-    built = build_many(jobs, target=Target("sm_90"), cache_dir=args.cache_dir or tempfile.mkdtemp(),
-                       workers=args.workers, progress=True)
+    cache_dir = args.cache_dir or tempfile.mkdtemp()
+    target = Target("sm_90")
+    built = build_many(jobs, target=target, cache_dir=cache_dir, workers=args.workers, progress=True)
     rows = []
+    extra = " registers (cap) | spill bytes |" if args.registers else ""
     print(f"| layer | tiling (batch {args.batch}) | blocks | k-block copies | code KB | KB per copy | PTX lines "
-          f"| ptxas s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| ptxas s |{extra}")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|" * args.registers)
     for name in names:
         layer = built[name]
         gx, gy, gz = launch_grid(layer.shape, layer.tiling, args.batch)
         copies = n_kblocks(layer.shape, layer.tiling)
         kb = layer.stats["artifact_bytes"] / 1024
         ptxas_s = layer.stats["seconds"]["assemble"]
-        rows.append(dict(layer=name, tiling=layer.tiling.describe(), blocks=gx * gy * gz, copies=copies,
-                         code_kb=kb, kb_per_copy=kb / copies, ptx_lines=layer.stats["ptx_lines"],
-                         ptxas_s=round(ptxas_s, 1)))
+        row = dict(layer=name, tiling=layer.tiling.describe(), blocks=gx * gy * gz, copies=copies,
+                   code_kb=kb, kb_per_copy=kb / copies, ptx_lines=layer.stats["ptx_lines"],
+                   ptxas_s=round(ptxas_s, 1))
+        cells = ""
+        if args.registers:
+            ptx = ArtifactCache(cache_dir).get_text("kernel", layer.ptx_sha256, ".ptx")
+            row.update(ptxas_usage(ptx, target.arch, layer.tiling.ptxas_level, layer.tiling.max_registers))
+            cells = f" {row['registers']} ({row['register_cap']}) | {row['spill_bytes']} |"
+        rows.append(row)
         print(f"| {name} | {layer.tiling.describe()} | {gx * gy * gz} | {copies} | {kb:.0f} | {kb / copies:.1f} "
-              f"| {layer.stats['ptx_lines']} | {ptxas_s:.1f} |")
+              f"| {layer.stats['ptx_lines']} | {ptxas_s:.1f} |{cells}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, batch=args.batch, sparsity=args.sparsity, rows=rows), f, indent=1)
+
+
+def ptxas_usage(ptx: str, arch: str, opt_level: int, max_registers: int) -> dict:
+    """`ptxas -v` on one specialised PTX, as the build assembles it (its -O
+    level and register cap): the most registers any of its functions uses,
+    and the spill stores and loads summed over them, in bytes."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([str(find_tool("ptxas")), f"-arch={arch}", f"-O{opt_level}",
+                              f"-maxrregcount={max_registers}", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", out)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", out)]
+    return dict(registers=max(registers), register_cap=max_registers, spill_bytes=sum(spills))
 
 
 if __name__ == "__main__":

@@ -24,3 +24,31 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path, args, says):
     error = [line for line in r.stderr.splitlines() if "error:" in line]
     assert len(error) == 1 and says in error[0], r.stderr
     assert not out.exists()
+
+
+def test_registers_reads_ptxas_use_and_spills_under_the_cap():
+    """--registers' ptxas_usage: one kernel with 48 loads live at once, as
+    the build would assemble it, uncapped (no spills) and capped at 32
+    registers (spills, and no more than the cap)."""
+    import importlib.util
+
+    from sparseconv.compile import compile_to_ptx
+    from sparseconv.shapes import Target
+
+    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ptx = compile_to_ptx(r'''
+extern "C" __global__ void live48(const float* __restrict__ x, float* y) {
+    float v[48];
+#pragma unroll
+    for (int i = 0; i < 48; ++i) v[i] = x[i * blockDim.x + threadIdx.x];
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 48; ++i) s = fmaf(s, v[47 - i], v[i]);
+    y[threadIdx.x] = s;
+}''', Target("sm_90"), "a 48-live-value kernel")
+    free = script.ptxas_usage(ptx, "sm_90", 3, 255)
+    assert free["spill_bytes"] == 0 and 48 < free["registers"] <= 255 and free["register_cap"] == 255
+    capped = script.ptxas_usage(ptx, "sm_90", 3, 32)
+    assert capped["spill_bytes"] > 0 and capped["registers"] <= 32 and capped["register_cap"] == 32
