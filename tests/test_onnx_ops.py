@@ -372,4 +372,7 @@ def test_capture_matmul_kernel_computes_numpys_matmul(a_shape, b_shape):
     run_kernel(ptx, "sc_matmul", ((n + 15) // 16, (m + 15) // 16, count), (16, 16, 1), [aa, bb, out, m, n, k])
     y = out.reshape(batch + (m, n))
     y = y[..., 0, :] if a.ndim == 1 else y
-    assert y.shape == ref.shape and relative_l2(y, ref) <= 1e-6
+    # The fp32 dot-product error bound, (k + 1) * u * (|a| @ |b|) elementwise, rather than a relative L2 norm:
+    # a four-output case with cancellation once measured 1.5e-6 relative L2 on a correct kernel.
+    bound = (k + 1) * 2.0 ** -24 * np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64))
+    assert y.shape == ref.shape and np.all(np.abs(y - ref) <= bound)
