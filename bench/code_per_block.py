@@ -6,16 +6,21 @@ seconds: what a tiling rule costs the build (session 49: `git apply` the rule
 between two runs, --workers 1 so that each layer's ptxas has the cores).
 --registers also runs `ptxas -v` on each specialised PTX, with the tiling's
 -O level and register cap, for the most registers a function uses and its
-spill bytes (session 56: are a layer's warps held back by registers?).
+spill bytes (session 56: are a layer's warps held back by registers?), and
+the specialised PTX's instructions, FMAs and the rest. --input-loads staged
+builds each pointwise variant that can take it with its chunk input staged
+by cp.async (Tiling.input_loads; session 57: what it costs the build).
 
     python bench/code_per_block.py resnet50 --layers layer3.1.conv1,layer3.1.conv3 [--batch 1] [--json out.json]
     python bench/code_per_block.py vgg16 --layers conv5_1 --batch 64 --workers 1 --json cost.json
     python bench/code_per_block.py vgg16 --layers conv3_2,conv4_2 --batch 64 --registers
+    python bench/code_per_block.py vgg16 --layers conv4_2 --batch 64 --registers --input-loads staged
 
 Without --layers, every layer of the model. Builds go to a cache of their own
 (--cache-dir, default a fresh temporary directory)."""
 import argparse
 import json
+from dataclasses import replace
 import re
 import subprocess
 import tempfile
@@ -25,7 +30,7 @@ import numpy as np
 from sparseconv.cache import ArtifactCache
 from sparseconv.compile import find_tool
 from sparseconv.parallel import LayerJob, build_many
-from sparseconv.shapes import Target, launch_grid, n_kblocks
+from sparseconv.shapes import INPUT_LOADS, Target, check_tiling, launch_grid, n_kblocks
 from sparseconv.tilings import variant_for_batch
 from sparseconv.testing import pruned_weight
 from sparseconv.zoo import MODELS, model_layers
@@ -40,7 +45,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="build processes (default: one a core)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--registers", action="store_true", help="also ptxas -v: registers and spill bytes")
+    ap.add_argument("--registers", action="store_true",
+                    help="also ptxas -v (registers and spill bytes) and the PTX's instructions")
+    ap.add_argument("--input-loads", choices=INPUT_LOADS, default="registers",
+                    help="Tiling.input_loads of the pointwise variants that can take it (default: registers)")
     args = ap.parse_args()
     if args.batch < 1:
         ap.error(f"--batch must be at least 1, not {args.batch}")
@@ -58,15 +66,15 @@ def main() -> None:
     for name in names:
         shape = layers[name]
         jobs.append(LayerJob(name, pruned_weight(rng, shape.weight_shape, args.sparsity), shape,
-                             variant_for_batch(shape, args.batch)))
+                             with_input_loads(shape, variant_for_batch(shape, args.batch), args.input_loads)))
     cache_dir = args.cache_dir or tempfile.mkdtemp()
     target = Target("sm_90")
     built = build_many(jobs, target=target, cache_dir=cache_dir, workers=args.workers, progress=True)
     rows = []
-    extra = " registers (cap) | spill bytes |" if args.registers else ""
+    extra = " registers (cap) | spill bytes | PTX FMAs | PTX other |" if args.registers else ""
     print(f"| layer | tiling (batch {args.batch}) | blocks | k-block copies | code KB | KB per copy | PTX lines "
           f"| ptxas s |{extra}")
-    print("|---|---|---|---|---|---|---|---|" + "---|---|" * args.registers)
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|---|" * args.registers)
     for name in names:
         layer = built[name]
         gx, gy, gz = launch_grid(layer.shape, layer.tiling, args.batch)
@@ -80,13 +88,37 @@ def main() -> None:
         if args.registers:
             ptx = ArtifactCache(cache_dir).get_text("kernel", layer.ptx_sha256, ".ptx")
             row.update(ptxas_usage(ptx, target.arch, layer.tiling.ptxas_level, layer.tiling.max_registers))
-            cells = f" {row['registers']} ({row['register_cap']}) | {row['spill_bytes']} |"
+            row.update(ptx_instructions(ptx))
+            cells = (f" {row['registers']} ({row['register_cap']}) | {row['spill_bytes']} | {row['ptx_fmas']} "
+                     f"| {row['ptx_other']} |")
         rows.append(row)
         print(f"| {name} | {layer.tiling.describe()} | {gx * gy * gz} | {copies} | {kb:.0f} | {kb / copies:.1f} "
               f"| {layer.stats['ptx_lines']} | {ptxas_s:.1f} |{cells}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, batch=args.batch, sparsity=args.sparsity, rows=rows), f, indent=1)
+
+
+def with_input_loads(shape, tiling, input_loads: str):
+    """`tiling` with Tiling.input_loads set where the layer can take it (a
+    pointwise variant check_tiling accepts), else as it is."""
+    if tiling.family != "pointwise" or input_loads == tiling.input_loads:
+        return tiling
+    changed = replace(tiling, input_loads=input_loads)
+    try:
+        check_tiling(shape, changed)
+    except ValueError:
+        return tiling
+    return changed
+
+
+def ptx_instructions(ptx: str) -> dict:
+    """The PTX's instructions: fma.rn.f32 and the rest (labels, directives
+    and comments aside)."""
+    lines = (line.strip() for line in ptx.splitlines())
+    code = [line for line in lines if (line[:1].isalpha() or line[:1] == "@") and not line.endswith(":")]
+    fmas = sum(1 for line in code if line.startswith("fma.rn.f32"))
+    return dict(ptx_fmas=fmas, ptx_other=len(code) - fmas)
 
 
 def ptxas_usage(ptx: str, arch: str, opt_level: int, max_registers: int) -> dict:

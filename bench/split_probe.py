@@ -58,8 +58,9 @@ def parse_cand(shape, text: str, batch: int):
     suffixes ":O<level>" (ptxas optimisation level), ":B<n>" (min_blocks:
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
     ":Scluster" (how the slices are summed, Tiling.slice_sum), ":Q" (the
-    pointwise family's pixels in 2x2 quads, Tiling.pixel_order), e.g.
-    64x256x1:B2."""
+    pointwise family's pixels in 2x2 quads, Tiling.pixel_order), ":A" (its
+    chunk input staged by cp.async, Tiling.input_loads), e.g. 64x256x1:B2,
+    default:A."""
     text, *suffixes = text.split(":")
     fields = suffix_fields(suffixes)
     if "thread_w" in fields and not text[:1].isdigit():
@@ -87,7 +88,7 @@ CAND_BASE = re.compile(r"default|direct|d\d+x\d+x\d+|\d+x\d+x\d+(x\d+)?")
 def suffix_fields(suffixes) -> dict:
     """The Tiling fields a candidate's suffixes set; ValueError for one that
     is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster, :C<c_block>,
-    :P<pixels a thread> or :Q (pixels in 2x2 quads)."""
+    :P<pixels a thread>, :Q (pixels in 2x2 quads) or :A (input staged)."""
     fields = {}
     for suffix in suffixes:
         if suffix[:1] == "O" and suffix[1:].isdigit():
@@ -102,9 +103,11 @@ def suffix_fields(suffixes) -> dict:
             fields["thread_w"] = int(suffix[1:])  # pixels a thread (pointwise candidates; parse_cand)
         elif suffix == "Q":
             fields["pixel_order"] = "quads"  # 2x2 windows of the output (Tiling.pixel_order)
+        elif suffix == "A":
+            fields["input_loads"] = "staged"  # copied by cp.async into shared memory (Tiling.input_loads)
         else:
             raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster, "
-                             f":C<c_block>, :P<pixels a thread> or :Q)")
+                             f":C<c_block>, :P<pixels a thread>, :Q or :A)")
     return fields
 
 

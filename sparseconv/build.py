@@ -20,7 +20,7 @@ from .cache import ArtifactCache, cache_key
 from .compile import NVCC_FLAGS, compile_to_ptx, tool_identity
 from .render import ENTRY_NAME, render
 from .shapes import (ConvShape, Epilogue, Target, Tiling, launch_grid, max_batch_per_launch, dynamic_shared_bytes,
-                     kernel_shape, n_chunks, n_kblocks)
+                     kernel_shape, n_chunks, n_kblocks, staged_input_bytes)
 from .tilings import default_tiling, pooled_tiling, pools_in_kernel
 from .specialise import analyse_template, specialise
 
@@ -165,6 +165,11 @@ def build_conv2d(weight: np.ndarray, shape: ConvShape, *, tiling: Optional[Tilin
     # runtime.Conv2dKernel pools its output after; CompiledLayer keeps the
     # layer's whole epilogue.
     in_kernel = replace(epilogue, pool=False) if epilogue.pool and not pools_in_kernel(shape, tiling) else epilogue
+    staged = staged_input_bytes(shape, tiling)
+    if staged > target.max_shared_bytes:
+        raise ValueError(f"layer {name}: tiling {tiling.describe()} stages {staged} bytes of input a block, more "
+                         f"than {target.arch} lets a block use ({target.max_shared_bytes}); lower c_block, the "
+                         "pixels a thread or the threads, or use input_loads 'registers'")
     cache = cache or ArtifactCache()
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if weight.shape != shape.weight_shape:

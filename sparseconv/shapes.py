@@ -26,6 +26,16 @@ SLICE_SUMS = ("kernel", "cluster")
 # order of windows, four adjacent threads a window, so that a 2x2 max pool
 # after the conv is taken among them (Epilogue.pool, tilings.pools_in_kernel).
 PIXEL_ORDERS = ("rows", "quads")
+# Where a pointwise block's chunk input goes on its way to the FMAs
+# (Tiling.input_loads): "registers", loaded straight into them, a whole
+# chunk's loads before its FMAs; "staged", copied by each thread with
+# cp.async into its own slots of dynamic shared memory INPUT_STAGES - 1
+# chunks ahead and read back from there, so loads are in flight without
+# registers holding them (no barrier: a thread reads only what it copied).
+# No default tiling stages yet: it is an experiment (docs/pending, session 57).
+INPUT_LOADS = ("registers", "staged")
+# Chunks of input a staged block holds: the one read now and two in flight.
+INPUT_STAGES = 3
 # Blocks in one cluster: 8 is portable; the H100 allows 16 once the kernel
 # opts in (runtime: the non-portable cluster size attribute).
 MAX_CLUSTER_SLICES = 16
@@ -37,6 +47,9 @@ MAX_BODY_WEIGHTS = 576
 # Shared memory of one block without opting in: the input patches of two chunks
 # of channels (double buffered: one is read while the next is copied in).
 MAX_PATCH_BYTES = 48 * 1024
+# Shared memory an SM's staged pointwise blocks may take (Tiling.input_loads):
+# the most an sm_90 block may opt in to; build_conv2d checks its target's.
+MAX_STAGED_BYTES = 227 * 1024
 # Patch elements one thread copies per chunk, at most. The source offset of each
 # is kept in a register for the whole kernel (see the template), so this bounds
 # the registers staging takes.
@@ -174,6 +187,9 @@ class Tiling:
     # PIXEL_ORDERS; "quads" needs the pointwise family and an even output
     # height and width (render checks the shape).
     pixel_order: str = "rows"
+    # INPUT_LOADS; "staged" needs the pointwise family and not a cluster sum
+    # (its partial sums would share the dynamic shared memory).
+    input_loads: str = "registers"
 
     def __post_init__(self) -> None:
         for name, v in asdict(self).items():
@@ -186,6 +202,9 @@ class Tiling:
             elif name == "pixel_order":
                 if v not in PIXEL_ORDERS:
                     raise ValueError(f"tiling.pixel_order must be one of {PIXEL_ORDERS}, got {v!r}")
+            elif name == "input_loads":
+                if v not in INPUT_LOADS:
+                    raise ValueError(f"tiling.input_loads must be one of {INPUT_LOADS}, got {v!r}")
             elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"tiling.{name} must be a positive int, got {v!r}")
         if self.ptxas_level not in (1, 2, 3):
@@ -195,6 +214,9 @@ class Tiling:
                              f"got {self.slices}")
         if self.pixel_order == "quads" and self.family != "pointwise":
             raise ValueError("pixel_order 'quads' is a pointwise-family order; the direct family tiles its pixels")
+        if self.input_loads == "staged" and (self.family != "pointwise" or self.slice_sum == "cluster"):
+            raise ValueError("input_loads 'staged' is a pointwise-family path without a cluster sum "
+                             "(the direct family stages its patches anyway)")
         if self.family == "pointwise" and self.tile_h != 1:
             raise ValueError("a pointwise tiling has tile_h 1 (its pixels run along tile_w)")
         if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
@@ -236,6 +258,7 @@ class Tiling:
         sl += " summed in a cluster" if self.slice_sum == "cluster" else ""
         sl += f", ptxas -O{self.ptxas_level}" if self.ptxas_level != 3 else ""
         sl += ", 2x2 pixel quads" if self.pixel_order == "quads" else ""
+        sl += ", input staged by cp.async" if self.input_loads == "staged" else ""
         if self.family == "pointwise":
             return (f"{fam}k_block={self.k_block} c_block={self.c_block} pixels={self.thread_w}/thread "
                     f"({self.threads} threads{blocks}{sl})")
@@ -437,12 +460,21 @@ def partial_tile_bytes(tiling: Tiling) -> int:
     return tiling.k_block * tiling.fmas_per_weight * tiling.threads * 4
 
 
+def staged_input_bytes(shape: ConvShape, tiling: Tiling) -> int:
+    """A staged pointwise block's input slots (Tiling.input_loads): INPUT_STAGES
+    chunks of c_block x taps values for each pixel of each thread; 0 otherwise."""
+    if tiling.input_loads != "staged":
+        return 0
+    shape = kernel_shape(shape, tiling)
+    return INPUT_STAGES * tiling.c_block * shape.kernel_h * shape.kernel_w * tiling.thread_w * tiling.threads * 4
+
+
 def dynamic_shared_bytes(shape: ConvShape, tiling: Tiling) -> int:
     """Dynamic shared memory a block is launched with: the input patches
     (patch_buffer_bytes), which a cluster sum reuses for its partial tile
-    once the chunk loop is done."""
+    once the chunk loop is done, or a staged block's input slots."""
     partial = partial_tile_bytes(tiling) if tiling.slice_sum == "cluster" else 0
-    return max(patch_buffer_bytes(shape, tiling), partial)
+    return max(patch_buffer_bytes(shape, tiling), partial, staged_input_bytes(shape, tiling))
 
 
 def stage_steps(shape: ConvShape, tiling: Tiling) -> int:
@@ -536,10 +568,20 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
     if body > MAX_BODY_WEIGHTS * 4:
         raise ValueError(f"tiling {tiling.describe()} puts {body} weights in one template body; "
                          f"keep k_block*c_block*R*S <= {MAX_BODY_WEIGHTS * 4} or compile time explodes")
-    if dynamic_shared_bytes(shape, tiling) > MAX_PATCH_BYTES:
-        raise ValueError(f"tiling {tiling.describe()} needs {dynamic_shared_bytes(shape, tiling)} bytes of "
+    partial = partial_tile_bytes(tiling) if tiling.slice_sum == "cluster" else 0
+    unstaged = max(patch_buffer_bytes(shape, tiling), partial)
+    if unstaged > MAX_PATCH_BYTES:
+        raise ValueError(f"tiling {tiling.describe()} needs {unstaged} bytes of "
                          f"shared memory per block; at most {MAX_PATCH_BYTES}: lower c_block, the tile "
                          "or (with a cluster sum) k_block x threads")
+    staged = staged_input_bytes(shape, tiling) * tiling.min_blocks
+    if staged > MAX_STAGED_BYTES:
+        raise ValueError(f"tiling {tiling.describe()} stages {staged} bytes of input an SM "
+                         f"({tiling.min_blocks} block(s)); at most {MAX_STAGED_BYTES}: lower c_block, the pixels "
+                         "a thread, the threads or min_blocks, or use input_loads 'registers'")
+    if tiling.input_loads == "staged" and tap_predicates(shape, tiling):
+        raise ValueError(f"tiling {tiling.describe()}: a layer whose padded taps sit behind tests "
+                         "(shapes.tap_predicates: few loads a pixel) is not staged; use input_loads 'registers'")
     if tiling.k_block > shape.k_per_group:
         raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
     if tiling.c_block > shape.c_per_group:

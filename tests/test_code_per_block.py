@@ -2,6 +2,7 @@
 exit 2, one line naming the argument, no JSON written."""
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ SCRIPT = Path(__file__).parent.parent / "bench" / "code_per_block.py"
     (["vgg16", "--sparsity", "1.0"], "--sparsity must be in [0, 1)"),
     (["vgg16", "--workers", "0"], "--workers must be at least 1"),
     (["alexnet"], "invalid choice: 'alexnet'"),
+    (["vgg16", "--input-loads", "texture"], "invalid choice: 'texture'"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, args, says):
     out = tmp_path / "out.json"
@@ -52,3 +54,51 @@ extern "C" __global__ void live48(const float* __restrict__ x, float* y) {
     assert free["spill_bytes"] == 0 and 48 < free["registers"] <= 255 and free["register_cap"] == 255
     capped = script.ptxas_usage(ptx, "sm_90", 3, 32)
     assert capped["spill_bytes"] > 0 and capped["registers"] <= 32 and capped["register_cap"] == 32
+    counts = script.ptx_instructions(ptx)
+    assert counts["ptx_fmas"] == ptx.count("fma.rn.f32") and counts["ptx_other"] >= 48  # the 48 loads at least
+
+
+def test_ptx_instructions_counts_instructions_not_labels_directives_or_comments():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ptx = """.version 8.0
+.target sm_90
+.visible .func sc_kblock_0(
+	.param .b64 p
+)
+{
+	.reg .f32 %f<4>;
+	// chunk 0 of output-channel block 0
+	ld.shared.f32 %f1, [%r1];
+	fma.rn.f32 %f2, %f1, 0f3F800001, %f3;
+$L__BB0_2:
+	@%p1 bra $L__BB0_2;
+	cp.async.ca.shared.global [%r2+128], [%rd1], 4;
+	fma.rn.f32 %f3, %f1, 0f3F800002, %f2;
+	ret;
+}
+"""
+    assert script.ptx_instructions(ptx) == dict(ptx_fmas=2, ptx_other=4)
+
+
+def test_input_loads_stages_the_pointwise_variants_that_can_take_it():
+    import importlib.util
+
+    from sparseconv.shapes import ConvShape, Tiling
+    from sparseconv.tilings import default_direct_tiling, variant_for_batch
+    from sparseconv.zoo import vgg16
+
+    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    conv4_2 = dict(vgg16())["conv4_2"]
+    pointwise = variant_for_batch(conv4_2, 64)
+    assert script.with_input_loads(conv4_2, pointwise, "staged") == replace(pointwise, input_loads="staged")
+    direct = default_direct_tiling(conv4_2)
+    assert script.with_input_loads(conv4_2, direct, "staged") == direct  # the direct family stages anyway
+    narrow = ConvShape(2, 8, 6, 6, 3, 3, (1, 1), (1, 1))  # padded taps behind tests: not staged
+    t = Tiling(8, 2, 1, 32, family="pointwise")
+    assert script.with_input_loads(narrow, t, "staged") == t

@@ -3,8 +3,10 @@ each family, split-K variants, batch variants, launch grids, the epilogue."""
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from sparseconv.build import build_conv2d
 from sparseconv.render import epilogue_code, render, template_name
 import sparseconv.shapes as shapes
 import sparseconv.tilings as tilings
@@ -15,7 +17,7 @@ from sparseconv.tilings import ONE_WAVE
 from sparseconv.tilings import (ANY_BATCH, COLD_SPLIT_MAX_PIXELS, COLD_SPLIT_TWO_WAVE_MAX_THREADS, MAX_SPLIT_BATCH,
                                 SMALL_BATCH_POINTWISE_OUTPUT, batch_variants, blocks_per_image, candidate_tilings,
                                 default_direct_tiling, default_tiling, pointwise_tiling, small_batch_tiling)
-from sparseconv.shapes import MAX_PATCH_BYTES
+from sparseconv.shapes import INPUT_STAGES, MAX_PATCH_BYTES, Target, dynamic_shared_bytes, staged_input_bytes
 from sparseconv.tilings import (WHOLE_IMAGE_SPLIT_C_BLOCK, WHOLE_IMAGE_SPLIT_K_BLOCK, WHOLE_IMAGE_SPLIT_MID_CHANNELS,
                                 WHOLE_IMAGE_SPLIT_MID_SLICES, WHOLE_IMAGE_SPLIT_SLICES)
 from sparseconv.tilings import (CLUSTER_WAVE_SMS, SPLIT_DIRECT_WIDE_C_BLOCK, SPLIT_DIRECT_WIDE_CHUNK_MIN_CHANNELS,
@@ -318,6 +320,32 @@ def test_tiling_records_refuse_what_no_template_serves():
     with pytest.raises(ValueError, match="bytes of shared memory"):
         check_tiling(ConvShape(64, 64, 32, 32, 1, 1),
                      Tiling(64, 8, 1, 256, 1, 1, family="pointwise", slices=2, slice_sum="cluster"))
+
+
+def test_staged_input_is_a_pointwise_path_sized_by_its_stages_and_checked_against_the_target():
+    """Tiling.input_loads "staged": INPUT_STAGES chunks of c_block x taps
+    values for each pixel of each thread, in dynamic shared memory (past the
+    48 KB a block gets without opting in), refused where it cannot run."""
+    shape = ConvShape(512, 512, 28, 28, 3, 3, (1, 1), (1, 1))  # VGG-16's conv4_2
+    t = Tiling(32, 2, 1, 640, 1, 1, family="pointwise", input_loads="staged")
+    assert staged_input_bytes(shape, t) == dynamic_shared_bytes(shape, t) == INPUT_STAGES * 2 * 9 * 640 * 4
+    assert staged_input_bytes(shape, replace(t, input_loads="registers")) == 0
+    assert "input staged by cp.async" in t.describe()
+    check_tiling(shape, t)
+    with pytest.raises(ValueError, match="input_loads must be one of"):
+        Tiling(8, 4, 1, 32, family="pointwise", input_loads="texture")
+    with pytest.raises(ValueError, match="pointwise-family path"):
+        Tiling(8, 4, 4, 8, input_loads="staged")
+    with pytest.raises(ValueError, match="pointwise-family path"):
+        Tiling(8, 4, 1, 32, family="pointwise", slices=2, slice_sum="cluster", input_loads="staged")
+    with pytest.raises(ValueError, match="stages 442368 bytes of input an SM"):  # two blocks of 221,184 bytes
+        check_tiling(shape, Tiling(32, 4, 1, 512, 1, 1, min_blocks=2, family="pointwise", input_loads="staged"))
+    with pytest.raises(ValueError, match="taps sit behind tests"):  # 2 channels x 9 taps: tap_predicates
+        check_tiling(ConvShape(2, 8, 6, 6, 3, 3, (1, 1), (1, 1)),
+                     Tiling(8, 2, 1, 32, family="pointwise", input_loads="staged"))
+    with pytest.raises(ValueError, match="lets a block use"):  # sm_86 lets a block opt in to 99 KB
+        build_conv2d(np.zeros(shape.weight_shape, np.float32), shape, tiling=t, target=Target("sm_86"),
+                     name="conv4_2")
 
 
 def test_slices_multiply_the_kblock_copies_and_divide_the_chunks():

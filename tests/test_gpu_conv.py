@@ -52,6 +52,11 @@ def test_benchmark_layer(op, sparsity, session_cache_dir):
         run_and_check(conv, w, bias, s, batch, rng)
 
 
+def _staged(k_block, c_block, threads, pixels, slices=1):
+    return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices,
+                  input_loads="staged")
+
+
 ODD_LAYERS = {
     # name: (C, K, H, W, R, S, stride, padding, dilation, groups, tiling or None)
     "strided_rect": (3, 4, 5, 7, 3, 3, (2, 2), (1, 1), (1, 1), 1, None),
@@ -75,6 +80,13 @@ ODD_LAYERS = {
     # issue 11 defect 3: chunk loops small enough that NVVM used to unroll them
     "one_input_channel_1x1": (1, 64, 8, 8, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
     "two_input_channels_1x1_on_1x1": (2, 8, 1, 1, 1, 1, (1, 1), (0, 0), (1, 1), 1, None),
+    # the pointwise family's chunk input staged by cp.async (Tiling.input_loads): a padded 3x3 whose last
+    # chunk is half past the channels, a k-block tail; a strided 1x1 at 2 pixels a thread; a conv4_2-like
+    # block past 48 KB of shared memory (138 KB, opted in); a split reduction
+    "staged_3x3_padded_chunks": (10, 13, 12, 11, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(8, 4, 64, 1)),
+    "staged_1x1_stride2_2px": (24, 40, 15, 13, 1, 1, (2, 2), (0, 0), (1, 1), 1, _staged(16, 8, 128, 2)),
+    "staged_3x3_138KB": (64, 40, 14, 14, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(32, 2, 640, 1)),
+    "staged_3x3_split": (32, 16, 9, 9, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(16, 2, 64, 1, slices=2)),
 }
 
 

@@ -198,6 +198,10 @@ def _pointwise(kb, cb, pixels, threads, slices=1, slice_sum="kernel"):
     return Tiling(kb, cb, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices, slice_sum=slice_sum)
 
 
+def _staged(tiling):
+    return replace(tiling, input_loads="staged")
+
+
 FAMILY_LAYERS = {
     # 1x1 convs through the pointwise family: batch folded into the pixels,
     # stride, zero padding, groups, one input channel, partial chunks, several
@@ -256,6 +260,20 @@ FAMILY_LAYERS = {
     # 640), 105 pixels: a second, partial block
     "pw3x3_k_tail_96_threads": (ConvShape(4, 12, 5, 7, 3, 3, (1, 1), (1, 1)), _pointwise(5, 2, 1, 96),
                                 Epilogue("relu")),
+    # the chunk input staged by cp.async (Tiling.input_loads): a padded 3x3
+    # whose last chunk is half past the channels; two pixels a thread and a
+    # k-block tail, a residual; a split 1x1 at stride 2; one chunk in all
+    # (fewer than the stages), pooled by quads; eight chunks, the ring of
+    # stages wrapping round twice
+    "pw3x3_staged_padded_chunks": (ConvShape(5, 8, 6, 7, 3, 3, (1, 1), (1, 1)),
+                                   _staged(_pointwise(8, 2, 1, 32)), Epilogue("relu")),
+    "pw3x3_staged_2px_k_tail_residual": (ConvShape(6, 10, 7, 6, 3, 3, (1, 1), (1, 1)),
+                                         _staged(_pointwise(4, 2, 2, 32)), Epilogue("relu6", residual=True)),
+    "pw_staged_stride2_split": (ConvShape(12, 8, 7, 6, 1, 1, (2, 2)), _staged(_pointwise(8, 3, 1, 32, 2)), Epilogue()),
+    "pw3x3_staged_one_chunk_quads_pool": (ConvShape(3, 6, 8, 10, 3, 3),
+                                          replace(_staged(_pointwise(6, 3, 1, 32)), pixel_order="quads"),
+                                          Epilogue("relu", pool=True)),
+    "pw_staged_eight_chunks": (ConvShape(8, 4, 5, 5, 1, 1), _staged(_pointwise(4, 1, 1, 32)), Epilogue()),
     # the direct family with a split reduction and epilogues
     "direct_split": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1, slices=2), Epilogue()),
     "direct_split_uneven_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 6, 1, 2, slices=2),
@@ -367,6 +385,24 @@ def check_family_layer(name, n):
     assert not np.isnan(y).any(), "outputs left unwritten"
     assert relative_l2(y, ref) <= 1e-5
     return w, stats
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FAMILY_LAYERS if "staged" in n))
+def test_staged_kernels_read_their_input_from_shared_memory_and_stay_whole(name):
+    """The staged path's PTX: every global read is a cp.async (none left in
+    registers' way), a read of shared memory that only deleted FMAs use is
+    dropped, and the copies before the chunk loop keep a k-block whole even
+    where the piece budget asks for a function a chunk."""
+    rendered, tptx = family_template(name)
+    shape = rendered.shape
+    rng = np.random.default_rng(3)
+    w = pruned_weight(rng, shape.weight_shape, 0.8)
+    ptx, stats = specialise(tptx, rendered, w, piece_lines=1)
+    kblocks = ptx.split(".entry")[0]
+    assert "cp.async.ca.shared.global" in kblocks and "ld.shared.f32" in kblocks
+    assert rendered.epilogue.residual or "ld.global.nc" not in kblocks  # the input (and a residual) take __ldg
+    assert stats.pieces == stats.kblocks and stats.loads_dropped > 0
+    assert stats.launch_shared_bytes == dynamic_shared_bytes(shape, rendered.tiling) > 0
 
 
 def test_slices_split_the_reduction_and_their_sum_is_the_convolution():
