@@ -59,8 +59,8 @@ def parse_cand(shape, text: str, batch: int):
     n blocks per SM, which caps the registers per thread) and ":Skernel" /
     ":Scluster" (how the slices are summed, Tiling.slice_sum), ":Q" (the
     pointwise family's pixels in 2x2 quads, Tiling.pixel_order), ":A" (its
-    chunk input staged by cp.async, Tiling.input_loads), e.g. 64x256x1:B2,
-    default:A."""
+    chunk input staged by cp.async) and ":L" (prefetched into L1; both
+    Tiling.input_loads), e.g. 64x256x1:B2, default:A."""
     text, *suffixes = text.split(":")
     fields = suffix_fields(suffixes)
     if "thread_w" in fields and not text[:1].isdigit():
@@ -88,7 +88,8 @@ CAND_BASE = re.compile(r"default|direct|d\d+x\d+x\d+|\d+x\d+x\d+(x\d+)?")
 def suffix_fields(suffixes) -> dict:
     """The Tiling fields a candidate's suffixes set; ValueError for one that
     is not :O<level>, :B<blocks per SM>, :Skernel, :Scluster, :C<c_block>,
-    :P<pixels a thread>, :Q (pixels in 2x2 quads) or :A (input staged)."""
+    :P<pixels a thread>, :Q (pixels in 2x2 quads), :A (input staged) or :L
+    (input prefetched)."""
     fields = {}
     for suffix in suffixes:
         if suffix[:1] == "O" and suffix[1:].isdigit():
@@ -105,9 +106,11 @@ def suffix_fields(suffixes) -> dict:
             fields["pixel_order"] = "quads"  # 2x2 windows of the output (Tiling.pixel_order)
         elif suffix == "A":
             fields["input_loads"] = "staged"  # copied by cp.async into shared memory (Tiling.input_loads)
+        elif suffix == "L":
+            fields["input_loads"] = "prefetched"  # asked for in L1 ahead of its loads (Tiling.input_loads)
         else:
             raise ValueError(f"unknown suffix :{suffix} (use :O<level>, :B<blocks per SM>, :Skernel, :Scluster, "
-                             f":C<c_block>, :P<pixels a thread>, :Q or :A)")
+                             f":C<c_block>, :P<pixels a thread>, :Q, :A or :L)")
     return fields
 
 

@@ -17,8 +17,8 @@ import jinja2
 from .launch import GRID_DEPENDENCY_CUDA
 from .pool import POOL_MAX_CUDA, QUAD_WALK_CUDA
 from .tilings import pools_in_kernel
-from .shapes import (INPUT_STAGES, ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks, n_kblocks,
-                     padded_channels, patch_size, residual_after_loop, stage_steps, tap_predicates)
+from .shapes import (INPUT_STAGES, PREFETCH_AHEAD, ConvShape, Epilogue, Tiling, check_tiling, kernel_shape, n_chunks,
+                     n_kblocks, padded_channels, patch_size, residual_after_loop, stage_steps, tap_predicates)
 
 TEMPLATE_NAME = "conv2d_direct.cu.j2"  # the direct family's; template_name(family) for any
 ENTRY_NAME = "sc_conv2d"
@@ -135,6 +135,7 @@ def render(shape: ConvShape, tiling: Tiling, epilogue: Epilogue = Epilogue()) ->
                            RESIDUAL_AFTER_LOOP=int(residual_after_loop(shape, tiling)),
                            PIXEL_QUADS=int(tiling.pixel_order == "quads"),
                            STAGED_INPUT=int(tiling.input_loads == "staged"), INPUT_STAGES=INPUT_STAGES,
+                           PREFETCH_INPUT=int(tiling.input_loads == "prefetched"), PREFETCH_AHEAD=PREFETCH_AHEAD,
                            POOL=int(epilogue.pool))
     source = env.get_template(name).render(
         template_name=name, entry_name=ENTRY_NAME, grid_dependency=GRID_DEPENDENCY_CUDA, pool_max=POOL_MAX_CUDA,

@@ -31,11 +31,15 @@ PIXEL_ORDERS = ("rows", "quads")
 # chunk's loads before its FMAs; "staged", copied by each thread with
 # cp.async into its own slots of dynamic shared memory INPUT_STAGES - 1
 # chunks ahead and read back from there, so loads are in flight without
-# registers holding them (no barrier: a thread reads only what it copied).
-# No default tiling stages yet: it is an experiment (docs/pending, session 57).
-INPUT_LOADS = ("registers", "staged")
+# registers holding them (no barrier: a thread reads only what it copied);
+# "prefetched", loaded as "registers" does, each value asked for in L1
+# (prefetch.L1) PREFETCH_AHEAD chunks ahead, a hint that holds no register.
+# No default tiling uses the last two yet: experiments (docs/pending, session 57).
+INPUT_LOADS = ("registers", "staged", "prefetched")
 # Chunks of input a staged block holds: the one read now and two in flight.
 INPUT_STAGES = 3
+# How many chunks ahead a prefetched block asks for its input.
+PREFETCH_AHEAD = 2
 # Blocks in one cluster: 8 is portable; the H100 allows 16 once the kernel
 # opts in (runtime: the non-portable cluster size attribute).
 MAX_CLUSTER_SLICES = 16
@@ -187,8 +191,9 @@ class Tiling:
     # PIXEL_ORDERS; "quads" needs the pointwise family and an even output
     # height and width (render checks the shape).
     pixel_order: str = "rows"
-    # INPUT_LOADS; "staged" needs the pointwise family and not a cluster sum
-    # (its partial sums would share the dynamic shared memory).
+    # INPUT_LOADS; "staged" and "prefetched" need the pointwise family, and
+    # "staged" not a cluster sum (its partial sums would share the dynamic
+    # shared memory).
     input_loads: str = "registers"
 
     def __post_init__(self) -> None:
@@ -214,9 +219,12 @@ class Tiling:
                              f"got {self.slices}")
         if self.pixel_order == "quads" and self.family != "pointwise":
             raise ValueError("pixel_order 'quads' is a pointwise-family order; the direct family tiles its pixels")
-        if self.input_loads == "staged" and (self.family != "pointwise" or self.slice_sum == "cluster"):
-            raise ValueError("input_loads 'staged' is a pointwise-family path without a cluster sum "
+        if self.input_loads != "registers" and self.family != "pointwise":
+            raise ValueError(f"input_loads {self.input_loads!r} is a pointwise-family path "
                              "(the direct family stages its patches anyway)")
+        if self.input_loads == "staged" and self.slice_sum == "cluster":
+            raise ValueError("input_loads 'staged' cannot take a cluster sum: its partial tile would share the "
+                             "staged input's dynamic shared memory")
         if self.family == "pointwise" and self.tile_h != 1:
             raise ValueError("a pointwise tiling has tile_h 1 (its pixels run along tile_w)")
         if self.tile_h % self.thread_h or self.tile_w % self.thread_w:
@@ -258,7 +266,8 @@ class Tiling:
         sl += " summed in a cluster" if self.slice_sum == "cluster" else ""
         sl += f", ptxas -O{self.ptxas_level}" if self.ptxas_level != 3 else ""
         sl += ", 2x2 pixel quads" if self.pixel_order == "quads" else ""
-        sl += ", input staged by cp.async" if self.input_loads == "staged" else ""
+        sl += {"registers": "", "staged": ", input staged by cp.async",
+               "prefetched": ", input prefetched into L1"}[self.input_loads]
         if self.family == "pointwise":
             return (f"{fam}k_block={self.k_block} c_block={self.c_block} pixels={self.thread_w}/thread "
                     f"({self.threads} threads{blocks}{sl})")
@@ -579,9 +588,10 @@ def check_tiling(shape: ConvShape, tiling: Tiling) -> None:
         raise ValueError(f"tiling {tiling.describe()} stages {staged} bytes of input an SM "
                          f"({tiling.min_blocks} block(s)); at most {MAX_STAGED_BYTES}: lower c_block, the pixels "
                          "a thread, the threads or min_blocks, or use input_loads 'registers'")
-    if tiling.input_loads == "staged" and tap_predicates(shape, tiling):
+    if tiling.input_loads != "registers" and tap_predicates(shape, tiling):
         raise ValueError(f"tiling {tiling.describe()}: a layer whose padded taps sit behind tests "
-                         "(shapes.tap_predicates: few loads a pixel) is not staged; use input_loads 'registers'")
+                         "(shapes.tap_predicates: few loads a pixel) is neither staged nor prefetched; "
+                         "use input_loads 'registers'")
     if tiling.k_block > shape.k_per_group:
         raise ValueError(f"k_block={tiling.k_block} exceeds the {shape.k_per_group} output channels per group")
     if tiling.c_block > shape.c_per_group:

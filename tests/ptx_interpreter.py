@@ -79,7 +79,8 @@ instruction and its line)
                 shfl.sync.idx.b32 over whole warps (any source lane);
                 cp.async.{ca,cg}.shared.global with src-size zero fill,
                 cp.async.commit_group, wait_group N, wait_all (a copy lands
-                in shared memory only when a wait covers its group).
+                in shared memory only when a wait covers its group);
+                prefetch{.global}.{L1,L2} (no effect; its address is checked).
 
 Checks (each raises PtxInterpreterError): global accesses must fall inside
 one argument array (each array gets a fake base address, 0x1000_0000 apart)
@@ -1456,6 +1457,22 @@ class _Decoder:
                 vals.append(v)
             dst = np.broadcast_to(np.asarray(_addr(fr, m, dst_base, dst_off), np.int64), (ctx.T,)).copy()
             ctx.async_issue(dst, lanes, vals)
+        return run
+
+    def op_prefetch(self, ins, parts, ops):
+        """prefetch{.global}.{L1,L2} [a]: a hint with no effect here, but its
+        address must lie in memory the kernel may read (a prefetch past a
+        buffer would be a bug in the kernel's clamping)."""
+        if len(parts) not in (2, 3) or parts[-1] not in ("L1", "L2") or parts[1:-1] not in ([], ["global"]):
+            raise PtxInterpreterError(f"unsupported instruction {'.'.join(parts)}")
+        self._need(ops, 1, parts)
+        space = "global" if parts[1] == "global" else None
+        base, off = self.address(ops[0])
+
+        def run(fr, m):
+            a, _ = fr.ctx._lanes(_addr(fr, m, base, off), m if m is not None else fr.Mnone)
+            if a.size:
+                fr.ctx._resolve(space, a, 1)
         return run
 
     def op_createpolicy(self, ins, parts, ops):

@@ -322,7 +322,7 @@ def test_tiling_records_refuse_what_no_template_serves():
                      Tiling(64, 8, 1, 256, 1, 1, family="pointwise", slices=2, slice_sum="cluster"))
 
 
-def test_staged_input_is_a_pointwise_path_sized_by_its_stages_and_checked_against_the_target():
+def test_staged_and_prefetched_input_are_pointwise_paths_checked_against_the_target():
     """Tiling.input_loads "staged": INPUT_STAGES chunks of c_block x taps
     values for each pixel of each thread, in dynamic shared memory (past the
     48 KB a block gets without opting in), refused where it cannot run."""
@@ -336,13 +336,20 @@ def test_staged_input_is_a_pointwise_path_sized_by_its_stages_and_checked_agains
         Tiling(8, 4, 1, 32, family="pointwise", input_loads="texture")
     with pytest.raises(ValueError, match="pointwise-family path"):
         Tiling(8, 4, 4, 8, input_loads="staged")
-    with pytest.raises(ValueError, match="pointwise-family path"):
+    with pytest.raises(ValueError, match="cannot take a cluster sum"):
         Tiling(8, 4, 1, 32, family="pointwise", slices=2, slice_sum="cluster", input_loads="staged")
+    # prefetched: loads as before plus a hint, no shared memory, a cluster sum allowed
+    prefetched = replace(t, input_loads="prefetched")
+    assert dynamic_shared_bytes(shape, prefetched) == 0 and "prefetched into L1" in prefetched.describe()
+    Tiling(8, 4, 1, 32, family="pointwise", slices=2, slice_sum="cluster", input_loads="prefetched")
+    with pytest.raises(ValueError, match="'prefetched' is a pointwise-family path"):
+        Tiling(8, 4, 4, 8, input_loads="prefetched")
     with pytest.raises(ValueError, match="stages 442368 bytes of input an SM"):  # two blocks of 221,184 bytes
         check_tiling(shape, Tiling(32, 4, 1, 512, 1, 1, min_blocks=2, family="pointwise", input_loads="staged"))
-    with pytest.raises(ValueError, match="taps sit behind tests"):  # 2 channels x 9 taps: tap_predicates
-        check_tiling(ConvShape(2, 8, 6, 6, 3, 3, (1, 1), (1, 1)),
-                     Tiling(8, 2, 1, 32, family="pointwise", input_loads="staged"))
+    for loads in ("staged", "prefetched"):
+        with pytest.raises(ValueError, match="taps sit behind tests"):  # 2 channels x 9 taps: tap_predicates
+            check_tiling(ConvShape(2, 8, 6, 6, 3, 3, (1, 1), (1, 1)),
+                         Tiling(8, 2, 1, 32, family="pointwise", input_loads=loads))
     with pytest.raises(ValueError, match="lets a block use"):  # sm_86 lets a block opt in to 99 KB
         build_conv2d(np.zeros(shape.weight_shape, np.float32), shape, tiling=t, target=Target("sm_86"),
                      name="conv4_2")

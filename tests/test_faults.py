@@ -884,7 +884,7 @@ _CAND_FORMS = ("is not default, direct, d<k_block>x<outputs along W>x<threads> o
 
 @pytest.mark.parametrize("cand, needle", [
     ("default:Sbogus", "--cands default:Sbogus: unknown suffix :Sbogus (use :O<level>, :B<blocks per SM>, :Skernel, "
-                       ":Scluster, :C<c_block>, :P<pixels a thread>, :Q or :A)"),
+                       ":Scluster, :C<c_block>, :P<pixels a thread>, :Q, :A or :L)"),
     ("d8x2", f"--cands d8x2: 'd8x2' {_CAND_FORMS}"),
     ("64x256", f"--cands 64x256: '64x256' {_CAND_FORMS}"),
 ])

@@ -52,9 +52,10 @@ def test_benchmark_layer(op, sparsity, session_cache_dir):
         run_and_check(conv, w, bias, s, batch, rng)
 
 
-def _staged(k_block, c_block, threads, pixels, slices=1):
+def _pointwise(loads, k_block, c_block, threads, pixels, slices=1):
+    """A pointwise tiling whose chunk input is `loads` (Tiling.input_loads)."""
     return Tiling(k_block, c_block, 1, threads * pixels, 1, pixels, family="pointwise", slices=slices,
-                  input_loads="staged")
+                  input_loads=loads)
 
 
 ODD_LAYERS = {
@@ -83,10 +84,15 @@ ODD_LAYERS = {
     # the pointwise family's chunk input staged by cp.async (Tiling.input_loads): a padded 3x3 whose last
     # chunk is half past the channels, a k-block tail; a strided 1x1 at 2 pixels a thread; a conv4_2-like
     # block past 48 KB of shared memory (138 KB, opted in); a split reduction
-    "staged_3x3_padded_chunks": (10, 13, 12, 11, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(8, 4, 64, 1)),
-    "staged_1x1_stride2_2px": (24, 40, 15, 13, 1, 1, (2, 2), (0, 0), (1, 1), 1, _staged(16, 8, 128, 2)),
-    "staged_3x3_138KB": (64, 40, 14, 14, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(32, 2, 640, 1)),
-    "staged_3x3_split": (32, 16, 9, 9, 3, 3, (1, 1), (1, 1), (1, 1), 1, _staged(16, 2, 64, 1, slices=2)),
+    "staged_3x3_padded_chunks": (10, 13, 12, 11, 3, 3, (1, 1), (1, 1), (1, 1), 1, _pointwise("staged", 8, 4, 64, 1)),
+    "staged_1x1_stride2_2px": (24, 40, 15, 13, 1, 1, (2, 2), (0, 0), (1, 1), 1, _pointwise("staged", 16, 8, 128, 2)),
+    "staged_3x3_138KB": (64, 40, 14, 14, 3, 3, (1, 1), (1, 1), (1, 1), 1, _pointwise("staged", 32, 2, 640, 1)),
+    "staged_3x3_split": (32, 16, 9, 9, 3, 3, (1, 1), (1, 1), (1, 1), 1, _pointwise("staged", 16, 2, 64, 1, slices=2)),
+    # and prefetched into L1 (Tiling.input_loads "prefetched"): a padded last chunk; a split, 2 pixels a thread
+    "prefetched_3x3_padded_chunks": (10, 13, 12, 11, 3, 3, (1, 1), (1, 1), (1, 1), 1,
+                                     _pointwise("prefetched", 8, 4, 64, 1)),
+    "prefetched_1x1_stride2_split": (24, 40, 15, 13, 1, 1, (2, 2), (0, 0), (1, 1), 1,
+                                     _pointwise("prefetched", 16, 4, 128, 2, slices=2)),
 }
 
 

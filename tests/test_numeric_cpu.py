@@ -274,6 +274,13 @@ FAMILY_LAYERS = {
                                           replace(_staged(_pointwise(6, 3, 1, 32)), pixel_order="quads"),
                                           Epilogue("relu", pool=True)),
     "pw_staged_eight_chunks": (ConvShape(8, 4, 5, 5, 1, 1), _staged(_pointwise(4, 1, 1, 32)), Epilogue()),
+    # the chunk input prefetched into L1 (Tiling.input_loads "prefetched"): a padded 3x3 with a padded last
+    # chunk, and a split 2-pixel 1x1 at stride 2 with a residual (the interpreter checks each prefetch's address)
+    "pw3x3_prefetched_padded_chunks": (ConvShape(5, 8, 6, 7, 3, 3, (1, 1), (1, 1)),
+                                       replace(_pointwise(8, 2, 1, 32), input_loads="prefetched"), Epilogue("relu")),
+    "pw_prefetched_stride2_2px_split_residual": (ConvShape(12, 8, 7, 6, 1, 1, (2, 2)),
+                                                 replace(_pointwise(8, 3, 2, 32, 2), input_loads="prefetched"),
+                                                 Epilogue("relu", residual=True)),
     # the direct family with a split reduction and epilogues
     "direct_split": (ConvShape(6, 5, 7, 7, 3, 3, (1, 1), (1, 1)), Tiling(4, 2, 4, 7, 1, 1, slices=2), Epilogue()),
     "direct_split_uneven_residual": (ConvShape(5, 5, 6, 6, 3, 3, (1, 1), (1, 1)), Tiling(4, 1, 3, 6, 1, 2, slices=2),
@@ -403,6 +410,28 @@ def test_staged_kernels_read_their_input_from_shared_memory_and_stay_whole(name)
     assert rendered.epilogue.residual or "ld.global.nc" not in kblocks  # the input (and a residual) take __ldg
     assert stats.pieces == stats.kblocks and stats.loads_dropped > 0
     assert stats.launch_shared_bytes == dynamic_shared_bytes(shape, rendered.tiling) > 0
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FAMILY_LAYERS if "prefetched" in n))
+def test_prefetched_kernels_ask_for_each_load_ahead_and_may_be_cut_into_pieces(name):
+    """The prefetched path's PTX: a prefetch.L1 for each kept chunk's input
+    values, loads as before, no shared memory; a hint has no side effect, so
+    a k-block is cut into pieces as without it (piece_lines=1: one a chunk),
+    and the pieces compute the convolution."""
+    rendered, tptx = family_template(name)
+    shape, t = rendered.shape, rendered.tiling
+    rng = np.random.default_rng(4)
+    w = pruned_weight(rng, shape.weight_shape, 0.5)
+    ptx, stats = specialise(tptx, rendered, w, piece_lines=1)
+    values = t.c_block * shape.kernel_h * shape.kernel_w * t.thread_w
+    assert ptx.count("prefetch.L1") == values * n_chunks(shape, t) * stats.kblocks
+    assert stats.pieces == stats.kblocks * n_chunks(shape, t) and stats.launch_shared_bytes == 0
+    x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
+    bias = rng.standard_normal(shape.out_channels).astype(np.float32)
+    res = rng.standard_normal((2, shape.out_channels, shape.out_h, shape.out_w)).astype(np.float32)
+    y = run_ptx(ptx, rendered, x, bias, res)
+    ref = apply_epilogue(conv2d_reference(x, w, bias, shape.stride, shape.padding), rendered.epilogue, res)
+    assert relative_l2(y, ref) <= 1e-5
 
 
 def test_slices_split_the_reduction_and_their_sum_is_the_convolution():

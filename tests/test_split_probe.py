@@ -54,10 +54,11 @@ def test_c_block_suffix_sets_the_chunk_width_of_either_family():
     assert split_probe.parse_cand(shapes["conv5_2"], "32x224x8:C16", 1).c_block == 16
 
 
-def test_a_suffix_stages_a_pointwise_candidates_input():
+def test_a_and_l_suffixes_stage_or_prefetch_a_pointwise_candidates_input():
     conv4_2 = dict(vgg16())["conv4_2"]
     default = split_probe.parse_cand(conv4_2, "default", 64)
     assert split_probe.parse_cand(conv4_2, "default:A", 64) == replace(default, input_loads="staged")
+    assert split_probe.parse_cand(conv4_2, "default:L", 64) == replace(default, input_loads="prefetched")
     with pytest.raises(ValueError, match="pointwise-family path"):
         split_probe.parse_cand(conv4_2, "direct:A", 64)
 
