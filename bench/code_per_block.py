@@ -113,12 +113,23 @@ def with_input_loads(shape, tiling, input_loads: str):
 
 
 def ptx_instructions(ptx: str) -> dict:
-    """The PTX's instructions: fma.rn.f32 and the rest (labels, directives
-    and comments aside)."""
+    """The PTX's instructions (labels, directives and comments aside):
+    fma.rn.f32 and the rest, and among the rest the ways input reaches the
+    FMAs (global loads, cp.async copies, shared reads, prefetches) and the
+    register moves (most are the specialiser's renames, which ptxas folds)."""
     lines = (line.strip() for line in ptx.splitlines())
     code = [line for line in lines if (line[:1].isalpha() or line[:1] == "@") and not line.endswith(":")]
-    fmas = sum(1 for line in code if line.startswith("fma.rn.f32"))
-    return dict(ptx_fmas=fmas, ptx_other=len(code) - fmas)
+    opcodes = [line.split()[0] if line[0] != "@" else line.split()[1] for line in code]
+    fmas = sum(1 for op in opcodes if op == "fma.rn.f32")
+    counts = dict(ptx_fmas=fmas, ptx_other=len(code) - fmas)
+    for key, prefix in _INPUT_OPCODES.items():
+        counts[key] = sum(1 for op in opcodes if op.startswith(prefix))
+    return counts
+
+
+# Opcode prefixes ptx_instructions counts on their own.
+_INPUT_OPCODES = {"ptx_global_loads": "ld.global", "ptx_copies": "cp.async.ca", "ptx_shared_reads": "ld.shared",
+                  "ptx_prefetches": "prefetch", "ptx_movs": "mov."}
 
 
 def ptxas_usage(ptx: str, arch: str, opt_level: int, max_registers: int) -> dict:

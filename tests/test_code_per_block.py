@@ -81,7 +81,8 @@ $L__BB0_2:
 	ret;
 }
 """
-    assert script.ptx_instructions(ptx) == dict(ptx_fmas=2, ptx_other=4)
+    assert script.ptx_instructions(ptx) == dict(ptx_fmas=2, ptx_other=4, ptx_global_loads=0, ptx_copies=1,
+                                                ptx_shared_reads=1, ptx_prefetches=0, ptx_movs=0)
 
 
 def test_input_loads_stages_the_pointwise_variants_that_can_take_it():
