@@ -414,17 +414,18 @@ def test_staged_kernels_read_their_input_from_shared_memory_and_stay_whole(name)
 
 @pytest.mark.parametrize("name", sorted(n for n in FAMILY_LAYERS if "prefetched" in n))
 def test_prefetched_kernels_ask_for_each_load_ahead_and_may_be_cut_into_pieces(name):
-    """The prefetched path's PTX: a prefetch.L1 for each kept chunk's input
-    values, loads as before, no shared memory; a hint has no side effect, so
-    a k-block is cut into pieces as without it (piece_lines=1: one a chunk),
-    and the pieces compute the convolution."""
+    """The prefetched path's PTX: in every chunk a prefetch.L1 of each
+    channel at the first and last tap of each kernel row (their lines hold
+    the taps between) for each pixel, loads as before, no shared memory; a
+    hint has no side effect, so a k-block is cut into pieces as without it
+    (piece_lines=1: one a chunk), and the pieces compute the convolution."""
     rendered, tptx = family_template(name)
     shape, t = rendered.shape, rendered.tiling
     rng = np.random.default_rng(4)
     w = pruned_weight(rng, shape.weight_shape, 0.5)
     ptx, stats = specialise(tptx, rendered, w, piece_lines=1)
-    values = t.c_block * shape.kernel_h * shape.kernel_w * t.thread_w
-    assert ptx.count("prefetch.L1") == values * n_chunks(shape, t) * stats.kblocks
+    row_ends = shape.kernel_h * min(shape.kernel_w, 2)
+    assert ptx.count("prefetch.L1") == t.c_block * row_ends * t.thread_w * n_chunks(shape, t) * stats.kblocks
     assert stats.pieces == stats.kblocks * n_chunks(shape, t) and stats.launch_shared_bytes == 0
     x = rng.standard_normal((2, shape.in_channels, shape.in_h, shape.in_w)).astype(np.float32)
     bias = rng.standard_normal(shape.out_channels).astype(np.float32)
