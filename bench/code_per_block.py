@@ -7,9 +7,10 @@ between two runs, --workers 1 so that each layer's ptxas has the cores).
 --registers also runs `ptxas -v` on each specialised PTX, with the tiling's
 -O level and register cap, for the most registers a function uses and its
 spill bytes (session 56: are a layer's warps held back by registers?), and
-the specialised PTX's instructions, FMAs and the rest. --input-loads staged
-builds each pointwise variant that can take it with its chunk input staged
-by cp.async (Tiling.input_loads; session 57: what it costs the build).
+the specialised PTX's instructions, FMAs and the rest. --input-loads
+staged / prefetched builds each pointwise variant that can take it with its
+chunk input staged by cp.async or prefetched into L1 (Tiling.input_loads;
+session 57: what each costs the build).
 
     python bench/code_per_block.py resnet50 --layers layer3.1.conv1,layer3.1.conv3 [--batch 1] [--json out.json]
     python bench/code_per_block.py vgg16 --layers conv5_1 --batch 64 --workers 1 --json cost.json
@@ -122,13 +123,13 @@ def ptx_instructions(ptx: str) -> dict:
     opcodes = [line.split()[0] if line[0] != "@" else line.split()[1] for line in code]
     fmas = sum(1 for op in opcodes if op == "fma.rn.f32")
     counts = dict(ptx_fmas=fmas, ptx_other=len(code) - fmas)
-    for key, prefix in _INPUT_OPCODES.items():
+    for key, prefix in _COUNTED_OPCODES.items():
         counts[key] = sum(1 for op in opcodes if op.startswith(prefix))
     return counts
 
 
 # Opcode prefixes ptx_instructions counts on their own.
-_INPUT_OPCODES = {"ptx_global_loads": "ld.global", "ptx_copies": "cp.async.ca", "ptx_shared_reads": "ld.shared",
+_COUNTED_OPCODES = {"ptx_global_loads": "ld.global", "ptx_copies": "cp.async.ca", "ptx_shared_reads": "ld.shared",
                   "ptx_prefetches": "prefetch", "ptx_movs": "mov."}
 
 

@@ -1,5 +1,7 @@
-"""bench/code_per_block.py refuses bad arguments before it builds anything:
-exit 2, one line naming the argument, no JSON written."""
+"""bench/code_per_block.py: bad arguments refused before it builds anything
+(exit 2, one line naming the argument, no JSON written); its ptxas and PTX
+instruction readings; the input path it builds each layer with."""
+import importlib.util
 import subprocess
 import sys
 from dataclasses import replace
@@ -8,6 +10,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent.parent / "bench" / "code_per_block.py"
+_spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -32,14 +37,9 @@ def test_registers_reads_ptxas_use_and_spills_under_the_cap():
     """--registers' ptxas_usage: one kernel with 48 loads live at once, as
     the build would assemble it, uncapped (no spills) and capped at 32
     registers (spills, and no more than the cap)."""
-    import importlib.util
-
     from sparseconv.compile import compile_to_ptx
     from sparseconv.shapes import Target
 
-    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     ptx = compile_to_ptx(r'''
 extern "C" __global__ void live48(const float* __restrict__ x, float* y) {
     float v[48];
@@ -59,11 +59,6 @@ extern "C" __global__ void live48(const float* __restrict__ x, float* y) {
 
 
 def test_ptx_instructions_counts_instructions_not_labels_directives_or_comments():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     ptx = """.version 8.0
 .target sm_90
 .visible .func sc_kblock_0(
@@ -86,15 +81,10 @@ $L__BB0_2:
 
 
 def test_input_loads_stages_the_pointwise_variants_that_can_take_it():
-    import importlib.util
-
     from sparseconv.shapes import ConvShape, Tiling
     from sparseconv.tilings import default_direct_tiling, variant_for_batch
     from sparseconv.zoo import vgg16
 
-    spec = importlib.util.spec_from_file_location("code_per_block", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     conv4_2 = dict(vgg16())["conv4_2"]
     pointwise = variant_for_batch(conv4_2, 64)
     assert script.with_input_loads(conv4_2, pointwise, "staged") == replace(pointwise, input_loads="staged")
